@@ -1,0 +1,80 @@
+"""The shared log: codec, hash chains, the SharedLog interface, its backends, the consumer API.
+
+Typical use::
+
+    from log import open_log
+    async with open_log("kafka://127.0.0.1:9092", actor="planner") as log:
+        await log.append(session_id, SessionStarted(program="trace", args_json="{}"))
+
+    async with open_log(url, actor="auditor") as log, log.consumer("audit", ["agent.actions"]) as events:
+        for event in await events.poll():
+            ...
+        await events.commit()
+"""
+
+from log.backend import Backend
+from log.codec import Codec
+from log.consumer import EventConsumer
+from log.errors import (
+    ActorNotAllowed,
+    AgentLogError,
+    BackendUnavailable,
+    BadMagic,
+    BodyNotAllowed,
+    BrokenChain,
+    ConcurrentWriter,
+    DecodeError,
+    HashMismatch,
+    IntegrityError,
+    KeyMismatch,
+    NotTopicOwner,
+    RecordError,
+    RetryableError,
+    SchemaMismatch,
+    SeqGap,
+    SeqRepeat,
+    TruncatedRecord,
+    UnknownFingerprint,
+    UnknownTopic,
+)
+from log.shared_log import SharedLog
+from log.topics import TOPICS, Topic
+from log.types import Clock, Draft, LoggedEvent, Position, RawRecord, system_clock
+from log.urls import backend_for, open_log
+
+__all__ = [
+    "TOPICS",
+    "ActorNotAllowed",
+    "AgentLogError",
+    "Backend",
+    "BackendUnavailable",
+    "BadMagic",
+    "BodyNotAllowed",
+    "BrokenChain",
+    "Clock",
+    "Codec",
+    "ConcurrentWriter",
+    "DecodeError",
+    "Draft",
+    "EventConsumer",
+    "HashMismatch",
+    "IntegrityError",
+    "KeyMismatch",
+    "LoggedEvent",
+    "NotTopicOwner",
+    "Position",
+    "RawRecord",
+    "RecordError",
+    "RetryableError",
+    "SchemaMismatch",
+    "SeqGap",
+    "SeqRepeat",
+    "SharedLog",
+    "Topic",
+    "TruncatedRecord",
+    "UnknownFingerprint",
+    "UnknownTopic",
+    "backend_for",
+    "open_log",
+    "system_clock",
+]

@@ -1,0 +1,101 @@
+"""What a storage backend must provide: raw records in partitioned, append-only topics.
+
+Backends know nothing of envelopes, chains or actors; ``log.shared_log``
+builds all of that once on top of this interface. Two implementations:
+``log.kafka_backend`` (production) and ``log.postgres_backend`` (the embedded
+default). Both pass the contract suite in ``tests/contract``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from log.types import Position, RawRecord
+
+
+@dataclass(frozen=True, slots=True)
+class OutRecord:
+    """A record to produce. ``seq`` and ``event_id`` are indexing hints (Postgres uses them
+    for its unique constraints); they are None for records that are not ours."""
+
+    partition: int
+    key: bytes
+    value: bytes
+    seq: int | None = None
+    event_id: str | None = None
+
+
+class Subscription(ABC):
+    """One member of a consumer group: owns some partitions of the subscribed topics."""
+
+    @abstractmethod
+    async def poll(self, timeout_s: float, max_records: int) -> list[RawRecord]:
+        """Records after the current position of owned partitions, in offset order per partition.
+
+        Waits up to ``timeout_s`` when there is nothing to read.
+        """
+
+    @abstractmethod
+    async def commit(self, offsets: dict[tuple[str, int], int]) -> None:
+        """Store, per (topic, partition), the offset of the next record to read."""
+
+    @abstractmethod
+    def assignment(self) -> set[tuple[str, int]]:
+        """The (topic, partition) pairs this member owns now."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Leave the group; owned partitions move to the other members."""
+
+
+class Backend(ABC):
+    """Partitioned append-only topics of raw records."""
+
+    name: str
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Connect. Topics must exist (see ``create_topics``)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Flush what was produced and disconnect."""
+
+    @abstractmethod
+    async def create_topics(self, num_partitions: int) -> None:
+        """Create every topic of ``log.topics`` if missing (idempotent)."""
+
+    @abstractmethod
+    async def num_partitions(self) -> int:
+        """Partitions per topic (all topics have the same count: they are co-partitioned)."""
+
+    @abstractmethod
+    async def produce(self, topic: str, records: Sequence[OutRecord]) -> asyncio.Future[list[Position]]:
+        """Enqueue records in order and return a future of their positions.
+
+        When this coroutine returns, the relative order of these records is fixed
+        (later calls land after them in each partition); awaiting the future
+        waits until they are durable.
+        """
+
+    @abstractmethod
+    def scan(self, topic: str, partition: int, start: int = 0, end: int | None = None) -> AsyncIterator[RawRecord]:
+        """Records of one partition with ``start <= offset < end`` (``end`` None: up to the current end)."""
+
+    async def read_key(self, topic: str, partition: int, key: bytes) -> list[RawRecord]:
+        """Every record of one key in one partition, in offset order.
+
+        The default scans the partition; backends with an index override it.
+        """
+        return [r async for r in self.scan(topic, partition) if r.key == key]
+
+    @abstractmethod
+    async def end_offsets(self, topic: str) -> dict[int, int]:
+        """Per partition, the offset the next record will get."""
+
+    @abstractmethod
+    async def subscribe(self, group: str, topics: Sequence[str], *, from_beginning: bool) -> Subscription:
+        """Join consumer group ``group``; start at committed offsets, or at 0 with ``from_beginning``."""

@@ -1,0 +1,74 @@
+"""The rules every record must keep, checked against the records before it.
+
+``ChainVerifier`` is pure: feed it decoded envelopes in log order and it says
+whether each one may be trusted. A rejected record does not advance the
+chain, so the next genuine record still links to the last accepted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from log.codec import ZERO_HASH
+from log.errors import ActorNotAllowed, BodyNotAllowed, BrokenChain, KeyMismatch, SeqGap, SeqRepeat
+from log.topics import Topic
+from log.types import Position
+from schemas.envelope import Envelope
+
+
+@dataclass(slots=True)
+class ChainTail:
+    """The last accepted record of one (topic, session)."""
+
+    seq: int
+    hash: bytes
+
+
+class ChainVerifier:
+    """Tracks the tail of every (topic, session) chain and checks new records against it."""
+
+    def __init__(self) -> None:
+        self._tails: dict[tuple[str, str], ChainTail] = {}
+
+    def forget(self, topic: str, in_partition: Callable[[str], bool]) -> None:
+        """Drop the tails of ``topic`` whose session satisfies ``in_partition`` (before a rebuild)."""
+        for key in [k for k in self._tails if k[0] == topic and in_partition(k[1])]:
+            del self._tails[key]
+
+    def tail(self, topic: str, session_id: str) -> ChainTail | None:
+        return self._tails.get((topic, session_id))
+
+    def check(self, topic: Topic, key: bytes | None, envelope: Envelope, position: Position) -> None:
+        """Raise an IntegrityError if ``envelope`` may not follow what was accepted so far."""
+        if not topic.allows_actor(envelope.actor):
+            raise ActorNotAllowed(
+                f"{position}: actor {envelope.actor!r} may not write {topic.name} (only {topic.owner!r} may)"
+            )
+        if not isinstance(envelope.body, topic.bodies):
+            raise BodyNotAllowed(f"{position}: a {type(envelope.body).__name__} does not belong on {topic.name}")
+        if key is not None and key != envelope.session_id.encode():
+            raise KeyMismatch(f"{position}: key {key!r} is not the session id {envelope.session_id!r}")
+        tail = self._tails.get((topic.name, envelope.session_id))
+        expected_seq, expected_prev = (0, ZERO_HASH) if tail is None else (tail.seq + 1, tail.hash)
+        if envelope.seq > expected_seq:
+            raise SeqGap(
+                f"{position}: session {envelope.session_id} jumps to seq {envelope.seq}, expected {expected_seq}"
+            )
+        if envelope.seq < expected_seq:
+            raise SeqRepeat(
+                f"{position}: session {envelope.session_id} repeats seq {envelope.seq}, expected {expected_seq}"
+            )
+        if envelope.prev_hash != expected_prev:
+            raise BrokenChain(
+                f"{position}: session {envelope.session_id} seq {envelope.seq} has prev_hash "
+                f"{envelope.prev_hash.hex()[:12]}..., expected {expected_prev.hex()[:12]}...; run logctl verify"
+            )
+
+    def accept(self, topic: Topic, envelope: Envelope) -> None:
+        """Make ``envelope`` the new tail of its chain (call after ``check`` passed)."""
+        self._tails[(topic.name, envelope.session_id)] = ChainTail(envelope.seq, envelope.hash)
+
+    def verify(self, topic: Topic, key: bytes | None, envelope: Envelope, position: Position) -> None:
+        self.check(topic, key, envelope, position)
+        self.accept(topic, envelope)

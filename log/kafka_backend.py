@@ -1,0 +1,309 @@
+"""The Kafka backend (kafka-python): the production log.
+
+- Topics of ``log.topics`` with a fixed partition count, ``retention.ms=-1``
+  and ``cleanup.policy=delete`` (the DLQ keeps 7 days).
+- One idempotent producer with ``acks=all``. The partition is computed here
+  with Kafka's own murmur2 of the session id, so it is the partition any other
+  Kafka client would pick for that key.
+- kafka-python is synchronous and thread-based: sends are queued without
+  blocking and completed by its sender thread; consumer calls run in a worker
+  thread (``asyncio.to_thread``), one at a time per consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer
+from kafka.admin import KafkaAdminClient
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import KafkaError, NoBrokersAvailable, TopicAlreadyExistsError
+from kafka.structs import OffsetAndMetadata, TopicPartition
+
+from log import topics as topic_table
+from log.backend import Backend, OutRecord, Subscription
+from log.errors import BackendUnavailable
+from log.types import Position, RawRecord
+
+DLQ_RETENTION_MS = 7 * 24 * 3600 * 1000
+_POLL_BATCH = 2000
+
+
+def security_config() -> dict[str, Any]:
+    """SASL/PLAIN client settings from the environment (empty for a plaintext broker).
+
+    Credentials come from ``AGENTLOG_KAFKA_USERNAME`` and ``AGENTLOG_KAFKA_PASSWORD``
+    (or ``AGENTLOG_KAFKA_PASSWORD_FILE``), never from the command line or the log.
+    """
+    username = os.environ.get("AGENTLOG_KAFKA_USERNAME")
+    if not username:
+        return {}
+    password = os.environ.get("AGENTLOG_KAFKA_PASSWORD")
+    if password is None and (path := os.environ.get("AGENTLOG_KAFKA_PASSWORD_FILE")):
+        with open(path) as f:
+            password = f.read().strip()
+    return {
+        "security_protocol": "SASL_PLAINTEXT",
+        "sasl_mechanism": "PLAIN",
+        "sasl_plain_username": username,
+        "sasl_plain_password": password or "",
+    }
+
+
+class _BatchWaiter:
+    """Turns N kafka-python send futures into one asyncio future.
+
+    Callbacks run on kafka-python's sender thread; counting there and waking the
+    event loop once per batch (not once per record) keeps large batches cheap.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, topic: str, n: int) -> None:
+        self.loop = loop
+        self.topic = topic
+        self.future: asyncio.Future[list[Position]] = loop.create_future()
+        self.positions: list[Position | None] = [None] * n
+        self.remaining = n
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+
+    def on_success(self, index: int, metadata: Any) -> None:
+        with self.lock:
+            self.positions[index] = Position(self.topic, metadata.partition, metadata.offset)
+            self._count_down()
+
+    def on_error(self, index: int, error: BaseException) -> None:
+        with self.lock:
+            self.error = self.error or error
+            self._count_down()
+
+    def _count_down(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.loop.call_soon_threadsafe(self._finish)
+
+    def _finish(self) -> None:
+        if self.future.done():
+            return
+        if self.error is not None:
+            self.future.set_exception(BackendUnavailable(f"producing to {self.topic} failed: {self.error}"))
+        else:
+            self.future.set_result([p for p in self.positions if p is not None])
+
+
+class KafkaBackend(Backend):
+    """Topics on a Kafka cluster at ``bootstrap`` (``host:port[,host:port]``)."""
+
+    name = "kafka"
+
+    def __init__(
+        self,
+        bootstrap: str,
+        *,
+        namespace: str = "",
+        client_config: dict[str, Any] | None = None,
+        linger_ms: int = 2,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.namespace = namespace
+        self.client_config = {**security_config(), **(client_config or {})}
+        self.linger_ms = linger_ms
+        self._producer: Any = None
+        self._scanners: list[Any] = []  # idle scan consumers, reused
+        self._num_partitions: int | None = None
+
+    def physical(self, topic: str) -> str:
+        """The Kafka topic that holds logical ``topic`` (prefixed by the namespace, if any)."""
+        return f"{self.namespace}.{topic}" if self.namespace else topic
+
+    def logical(self, physical: str) -> str:
+        return physical.removeprefix(f"{self.namespace}.") if self.namespace else physical
+
+    def _consumer(self, **config: Any) -> Any:
+        return KafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            enable_auto_commit=False,
+            key_deserializer=None,
+            value_deserializer=None,
+            **self.client_config,
+            **config,
+        )
+
+    async def start(self) -> None:
+        try:
+            self._producer = await asyncio.to_thread(
+                KafkaProducer,
+                bootstrap_servers=self.bootstrap,
+                acks="all",
+                enable_idempotence=True,
+                linger_ms=self.linger_ms,
+                batch_size=256 * 1024,
+                **self.client_config,
+            )
+        except (NoBrokersAvailable, KafkaError) as e:
+            raise BackendUnavailable(f"cannot reach Kafka at {self.bootstrap}: {e}") from e
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await asyncio.to_thread(self._producer.close)
+            self._producer = None
+        for consumer in self._scanners:
+            await asyncio.to_thread(consumer.close)
+        self._scanners.clear()
+
+    async def create_topics(self, num_partitions: int) -> None:
+        def create() -> None:
+            admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, **self.client_config)
+            try:
+                existing = set(admin.list_topics())
+                wanted = {
+                    self.physical(t.name): {
+                        "num_partitions": num_partitions,
+                        "replication_factor": 1,
+                        "configs": {
+                            "cleanup.policy": "delete",
+                            "retention.ms": "-1" if t.infinite_retention else str(DLQ_RETENTION_MS),
+                        },
+                    }
+                    for t in topic_table.TOPICS
+                    if self.physical(t.name) not in existing
+                }
+                if wanted:
+                    # Another initializer may create them at the same moment.
+                    with contextlib.suppress(TopicAlreadyExistsError):
+                        admin.create_topics(wanted, wait_for_metadata=True)
+            finally:
+                admin.close()
+
+        await asyncio.to_thread(create)
+
+    async def num_partitions(self) -> int:
+        if self._num_partitions is None:
+            scanner = await self._take_scanner()
+            try:
+                counts = set()
+                for t in topic_table.TOPICS:
+                    parts = await asyncio.to_thread(scanner.partitions_for_topic, self.physical(t.name))
+                    if not parts:
+                        raise BackendUnavailable(f"topic {t.name} does not exist: run `logctl init`")
+                    counts.add(len(parts))
+            finally:
+                self._scanners.append(scanner)
+            if len(counts) != 1:
+                raise BackendUnavailable(f"topics are not co-partitioned (partition counts {sorted(counts)})")
+            self._num_partitions = counts.pop()
+        return self._num_partitions
+
+    async def produce(self, topic: str, records: Sequence[OutRecord]) -> asyncio.Future[list[Position]]:
+        if self._producer is None:
+            raise RuntimeError("backend not started")
+        waiter = _BatchWaiter(asyncio.get_running_loop(), topic, len(records))
+        physical = self.physical(topic)
+        for i, record in enumerate(records):
+            future = self._producer.send(physical, value=record.value, key=record.key, partition=record.partition)
+            future.add_callback(waiter.on_success, i)
+            future.add_errback(waiter.on_error, i)
+        return waiter.future
+
+    async def _take_scanner(self) -> Any:
+        if self._scanners:
+            return self._scanners.pop()
+        return await asyncio.to_thread(self._consumer, group_id=None)
+
+    async def scan(
+        self, topic: str, partition: int, start: int = 0, end: int | None = None
+    ) -> AsyncIterator[RawRecord]:
+        tp = TopicPartition(self.physical(topic), partition)
+        scanner = await self._take_scanner()
+        try:
+            if end is None:
+                end = (await asyncio.to_thread(scanner.end_offsets, [tp]))[tp]
+            if start >= end:
+                return
+            scanner.assign([tp])
+            scanner.seek(tp, start)
+            position = start
+            while position < end:
+                batch = await asyncio.to_thread(scanner.poll, 1000, _POLL_BATCH)
+                for message in batch.get(tp, []):
+                    if message.offset >= end:
+                        return
+                    position = message.offset + 1
+                    yield RawRecord(Position(topic, partition, message.offset), message.key, message.value)
+                if not batch:
+                    # Nothing came back: the records may be compacted or aborted; the consumer
+                    # position tells how far the log really goes.
+                    position = max(position, await asyncio.to_thread(scanner.position, tp))
+        finally:
+            scanner.assign([])
+            self._scanners.append(scanner)
+
+    async def end_offsets(self, topic: str) -> dict[int, int]:
+        n = await self.num_partitions()
+        scanner = await self._take_scanner()
+        try:
+            tps = [TopicPartition(self.physical(topic), p) for p in range(n)]
+            ends = await asyncio.to_thread(scanner.end_offsets, tps)
+        finally:
+            self._scanners.append(scanner)
+        return {tp.partition: offset for tp, offset in ends.items()}
+
+    async def subscribe(self, group: str, topics: Sequence[str], *, from_beginning: bool) -> Subscription:
+        subscription = KafkaSubscription(self, group, topics, from_beginning=from_beginning)
+        await asyncio.to_thread(subscription.join)
+        return subscription
+
+
+class KafkaSubscription(Subscription, ConsumerRebalanceListener):  # type: ignore[misc]
+    """A kafka-python group consumer; the broker's group coordinator assigns partitions."""
+
+    def __init__(self, backend: KafkaBackend, group: str, topics: Sequence[str], *, from_beginning: bool) -> None:
+        self.backend = backend
+        self.group = group
+        self.topics = tuple(topics)
+        self.from_beginning = from_beginning
+        self._seen: set[tuple[str, int]] = set()
+        self._consumer: Any = None
+
+    def join(self) -> None:
+        # A new group with no committed offset starts at the beginning: an event log is read whole.
+        self._consumer = self.backend._consumer(group_id=self.group, auto_offset_reset="earliest")
+        self._consumer.subscribe([self.backend.physical(t) for t in self.topics], listener=self)
+
+    # ConsumerRebalanceListener (called inside poll, on the polling thread)
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        pass
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        if self.from_beginning:
+            first_time = [tp for tp in assigned if (tp.topic, tp.partition) not in self._seen]
+            if first_time:
+                self._consumer.seek_to_beginning(*first_time)
+        self._seen.update((tp.topic, tp.partition) for tp in assigned)
+
+    async def poll(self, timeout_s: float, max_records: int) -> list[RawRecord]:
+        batch = await asyncio.to_thread(self._consumer.poll, int(timeout_s * 1000), max_records)
+        records = []
+        for tp in sorted(batch, key=lambda tp: (tp.topic, tp.partition)):
+            topic = self.backend.logical(tp.topic)
+            for m in batch[tp]:
+                records.append(RawRecord(Position(topic, tp.partition, m.offset), m.key, m.value))
+        return records
+
+    async def commit(self, offsets: dict[tuple[str, int], int]) -> None:
+        payload = {
+            TopicPartition(self.backend.physical(t), p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()
+        }
+        await asyncio.to_thread(self._consumer.commit, payload)
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return {(self.backend.logical(tp.topic), tp.partition) for tp in self._consumer.assignment()}
+
+    async def close(self) -> None:
+        if self._consumer is not None:
+            await asyncio.to_thread(self._consumer.close)
+            self._consumer = None

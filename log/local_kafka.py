@@ -1,0 +1,452 @@
+"""A real single-node Apache Kafka (KRaft) broker for tests and CI, without Docker.
+
+The broker runs from Kafka's Maven Central jars, which Maven resolves once from
+``.ci/kafka/pom.xml`` into ``.cache/kafka/libs``. Needs Java 17+ (and Maven, once).
+
+Library use::
+
+    with LocalKafkaBroker() as broker:
+        producer = KafkaProducer(**broker.client_configs())
+
+CLI use (``.ci/run``)::
+
+    python -m log.local_kafka start --port 19092 --data-dir DIR --pid-file F
+    python -m log.local_kafka stop --pid-file F
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import fcntl
+import hashlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+# kafka-python ships no type information; "unused-ignore" keeps this line clean if the
+# project later sets ignore_missing_imports for it.
+from kafka.admin import KafkaAdminClient  # type: ignore[import-untyped,unused-ignore]
+from kafka.errors import KafkaError  # type: ignore[import-untyped,unused-ignore]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+POM_FILE = REPO_ROOT / ".ci" / "kafka" / "pom.xml"
+LOG4J_CONFIG = REPO_ROOT / ".ci" / "kafka" / "log4j2.properties"
+DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "kafka"
+# kafka-server-start.sh defaults to 1 GiB; 512 MiB is plenty for tests once the log
+# cleaner's dedupe buffer is shrunk (see properties()).
+DEFAULT_HEAP = ("-Xms256m", "-Xmx512m")
+HOST = "127.0.0.1"
+# Pinned: an unpinned `dependency:copy-dependencies` may resolve an old plugin version.
+_MVN_GOAL = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies"
+_LOG_TAIL_LINES = 40
+
+
+class KafkaBrokerError(RuntimeError):
+    """The broker could not be resolved, formatted, started or stopped."""
+
+
+def resolve_jars(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
+    """Download the broker's runtime jars into ``cache_dir/libs`` once; return it."""
+    libs = cache_dir / "libs"
+    marker = libs / ".complete"
+    # The marker holds the pom's hash, so a version bump re-resolves instead of putting
+    # two Kafka versions on one classpath.
+    digest = hashlib.sha256(POM_FILE.read_bytes()).hexdigest()
+    if marker.is_file() and marker.read_text().strip() == digest:
+        return libs
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        msg = f"Maven (mvn) is needed once to fetch the Kafka jars into {libs}"
+        raise KafkaBrokerError(msg)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Parallel test processes may get here together: one resolves, the others wait.
+    with (cache_dir / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.is_file() and marker.read_text().strip() == digest:
+            return libs
+        shutil.rmtree(libs, ignore_errors=True)  # stale or half-copied
+        cmd = [
+            mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(POM_FILE), _MVN_GOAL,
+            "-DincludeScope=runtime", f"-DoutputDirectory={libs}",
+        ]  # fmt: skip
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise KafkaBrokerError(
+                f"{' '.join(cmd)} failed with exit code {result.returncode}:\n{result.stdout}{result.stderr}"
+            )
+        marker.write_text(digest + "\n")
+    return libs
+
+
+class LocalKafkaBroker:
+    """One combined broker+controller KRaft node on 127.0.0.1, plaintext, RF=1."""
+
+    def __init__(
+        self,
+        port: int = 0,
+        controller_port: int = 0,
+        data_dir: Path | None = None,
+        heap: Sequence[str] = DEFAULT_HEAP,
+        extra_properties: Mapping[str, str] | None = None,
+        cache_dir: Path = DEFAULT_CACHE_DIR,
+        detach: bool = False,
+    ) -> None:
+        """Port 0 picks a free port. ``detach`` puts the JVM in its own session so it
+        outlives this Python process (and a Ctrl-C in its terminal)."""
+        free = _free_ports(2)
+        self.port = port or free[0]
+        self.controller_port = controller_port or free[1]
+        self._owns_data_dir = data_dir is None
+        self.data_dir = Path(tempfile.mkdtemp(prefix="kafka-")) if data_dir is None else data_dir
+        self.heap = tuple(heap)
+        self.extra_properties = dict(extra_properties or {})
+        self.cache_dir = cache_dir
+        self.detach = detach
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def log_file(self) -> Path:
+        return self.data_dir / "broker.log"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def client_configs(self) -> dict[str, Any]:
+        """kwargs for kafka-python clients; a secure variant would add the SASL keys."""
+        return {"bootstrap_servers": self.bootstrap_servers}
+
+    def properties(self) -> dict[str, str]:
+        """server.properties: a single plaintext node, then ``extra_properties`` on top.
+
+        A SASL/PLAIN + StandardAuthorizer variant only has to add or override keys here
+        (listener.security.protocol.map, sasl.*, listener.name.*.jaas, authorizer...).
+        """
+        props = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            # Static voters, as the apache/kafka image uses: the quorum is defined by
+            # this file alone. `format --standalone` with
+            # controller.quorum.bootstrap.servers works too (both tested, restart on
+            # other ports included) but also stores the controller endpoint at format.
+            "controller.quorum.voters": f"1@{HOST}:{self.controller_port}",
+            "listeners": f"PLAINTEXT://{HOST}:{self.port},CONTROLLER://{HOST}:{self.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://{HOST}:{self.port}",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "controller.listener.names": "CONTROLLER",
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "log.dirs": str(self.data_dir / "data"),
+            "num.partitions": "1",
+            # Tests create their topics explicitly; a typo must fail, not auto-create.
+            "auto.create.topics.enable": "false",
+            # Internal topics default to RF 3: with one broker, groups and idempotent or
+            # transactional producers would hang. One partition (default 50) makes the
+            # first consumer group and InitProducerId much faster.
+            "offsets.topic.replication.factor": "1",
+            "offsets.topic.num.partitions": "1",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.num.partitions": "1",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            # Default 3 s wait before the first rebalance of every new group.
+            "group.initial.rebalance.delay.ms": "0",
+            # Allocated by the log cleaner at startup; 128 MiB by default.
+            "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
+        }
+        props.update(self.extra_properties)
+        return props
+
+    def start(self, timeout_s: float = 120) -> Self:
+        """Resolve jars, format storage if new, launch the JVM, wait until it serves."""
+        if self._proc is not None:
+            raise KafkaBrokerError("broker already started")
+        libs = resolve_jars(self.cache_dir)
+        deadline = time.monotonic() + timeout_s
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        config = self.data_dir / "server.properties"
+        config.write_text(_to_properties(self.properties()))
+        java = [_java(), f"-Dlog4j2.configurationFile={LOG4J_CONFIG}", "-cp", f"{libs}/*"]
+        meta = self.data_dir / "data" / "meta.properties"
+        if not meta.exists():  # else: a restart
+            self._format(java, config, timeout_s)
+        cluster_id = _read_properties(meta)["cluster.id"]
+        # A taken port does not always make Kafka exit, and the readiness check would
+        # then talk to whoever holds it; so refuse up front.
+        for port in (self.port, self.controller_port):
+            _check_free(port)
+        # Append, so a restart keeps the earlier log; error tails start at this run.
+        self._log_offset = self.log_file.stat().st_size if self.log_file.exists() else 0
+        with self.log_file.open("ab") as log:
+            # Exit on OOM rather than limp on: the log tail then says what happened.
+            jvm = [*self.heap, "-XX:+ExitOnOutOfMemoryError"]
+            self._proc = subprocess.Popen(
+                [*java, *jvm, "kafka.Kafka", str(config)],
+                stdin=subprocess.DEVNULL,
+                # Not our stdout: `$(python -m log.local_kafka start)` would hang.
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=self.detach,
+            )
+        try:
+            self._wait_ready(cluster_id, deadline, timeout_s)
+        except BaseException:
+            self._kill()
+            raise
+        return self
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM (Kafka then shuts down cleanly, <1 s), SIGKILL after ``timeout_s``."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._owns_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self if self._proc is not None else self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _format(self, java: list[str], config: Path, timeout_s: float) -> None:
+        # Kafka's own id format (Uuid.toString): 22 chars of unpadded url-safe base64.
+        # Made here to save a JVM start for `StorageTool random-uuid`.
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cmd = [
+            *java,
+            "kafka.tools.StorageTool",
+            "format",
+            "-t",
+            cluster_id,
+            "-c",
+            str(config),
+        ]
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired as e:
+            raise KafkaBrokerError(f"storage format timed out after {timeout_s}s") from e
+        if result.returncode != 0:
+            raise KafkaBrokerError(f"storage format failed:\n{result.stdout}{result.stderr}")
+
+    def _wait_ready(self, cluster_id: str, deadline: float, timeout_s: float) -> None:
+        while self._proc is not None:
+            if (rc := self._proc.poll()) is not None:
+                msg = f"Kafka broker exited with code {rc}."
+                raise KafkaBrokerError(f"{msg}\n{self._log_tail()}")
+            # The listener port opens only after metadata catch-up (SocketServer), so
+            # it is a cheap first check; a real admin request confirms it serves, and
+            # the cluster id that it is this broker.
+            if _port_open(self.port) and self._cluster_id() == cluster_id:
+                return
+            if time.monotonic() > deadline:
+                msg = f"Kafka broker not ready after {timeout_s}s."
+                raise KafkaBrokerError(f"{msg}\n{self._log_tail()}")
+            time.sleep(0.2)
+
+    def _cluster_id(self) -> str | None:
+        try:
+            admin = KafkaAdminClient(
+                **self.client_configs(),
+                client_id="local-kafka-readiness",
+                bootstrap_timeout_ms=5000,
+                request_timeout_ms=5000,
+            )
+        except (KafkaError, OSError):
+            return None
+        try:
+            cluster = admin.describe_cluster()
+        except (KafkaError, OSError):
+            return None
+        else:
+            return str(cluster["cluster_id"]) if cluster["brokers"] else None
+        finally:
+            admin.close()
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def _log_tail(self) -> str:
+        try:
+            with self.log_file.open("rb") as f:
+                f.seek(self._log_offset)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return f"(no broker log at {self.log_file})"
+        tail = "\n".join(lines[-_LOG_TAIL_LINES:])
+        return f"Last lines of {self.log_file}:\n{tail}"
+
+
+def stop_pid(pid: int, timeout_s: float = 30) -> bool:
+    """Stop a detached broker by pid; False if no broker with that pid is running."""
+    if not _running(pid) or not _is_kafka(pid):  # a stale pid file may name a reused pid
+        return False
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _running(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.1)
+    return True
+
+
+def _to_properties(props: Mapping[str, str]) -> str:
+    # Java properties: backslash is the escape character; a newline would end the value.
+    def escape(value: str) -> str:
+        return value.replace("\\", "\\\\").replace("\n", "\\n")
+
+    return "".join(f"{k}={escape(v)}\n" for k, v in props.items())
+
+
+def _read_properties(path: Path) -> dict[str, str]:
+    # Enough for the key=value files Kafka writes (meta.properties).
+    lines = path.read_text().splitlines()
+    pairs = (ln.split("=", 1) for ln in lines if "=" in ln and not ln.startswith("#"))
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def _check_free(port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+        except OSError as e:
+            raise KafkaBrokerError(f"port {HOST}:{port} is already in use") from e
+
+
+def _java() -> str:
+    java_home = os.environ.get("JAVA_HOME")
+    return str(Path(java_home) / "bin" / "java") if java_home else "java"
+
+
+def _free_ports(count: int) -> list[int]:
+    # Hold all sockets open together so the ports differ; someone may still take
+    # one before Kafka binds it, which start() then reports via the broker log.
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind((HOST, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _running(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    if Path("/proc/self").exists():
+        try:
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            return False
+        # A zombie has exited; it only waits to be reaped by a parent that may never do
+        # so (e.g. a container's PID 1), so it counts as stopped.
+        return state != "Z"
+    try:  # no /proc (macOS)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _is_kafka(pid: int) -> bool:
+    try:
+        return b"kafka.Kafka" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return not Path("/proc/self").exists()  # cannot check without /proc: trust the pid
+
+
+def _read_pid(pid_file: Path) -> int | None:
+    try:
+        return int(pid_file.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m log.local_kafka", description="Local single-node Kafka broker.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", help="start a detached broker; prints KAFKA_BOOTSTRAP_SERVERS=...")
+    start.add_argument("--port", type=int, default=0, help="0 = a free port")
+    start.add_argument("--controller-port", type=int, default=0, help="0 = a free port")
+    start.add_argument("--data-dir", type=Path, help="default: a fresh temp dir (kept)")
+    start.add_argument("--pid-file", type=Path, required=True)
+    start.add_argument("--timeout", type=float, default=120)
+    start.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    stop = sub.add_parser("stop", help="stop the broker named by --pid-file and wait for it")
+    stop.add_argument("--pid-file", type=Path, required=True)
+    stop.add_argument("--timeout", type=float, default=30)
+    args = parser.parse_args(argv)
+
+    if args.command == "stop":
+        pid = _read_pid(args.pid_file)
+        if pid is None or not stop_pid(pid, args.timeout):
+            print(f"no running Kafka broker in {args.pid_file}", file=sys.stderr)
+        args.pid_file.unlink(missing_ok=True)
+        return 0
+
+    if (pid := _read_pid(args.pid_file)) is not None and _running(pid) and _is_kafka(pid):
+        print(
+            f"Kafka broker already running with pid {pid} ({args.pid_file})",
+            file=sys.stderr,
+        )
+        return 1
+    data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="kafka-"))
+    broker = LocalKafkaBroker(
+        port=args.port,
+        controller_port=args.controller_port,
+        data_dir=data_dir,
+        cache_dir=args.cache_dir,
+        detach=True,
+    )
+    try:
+        broker.start(args.timeout)
+    except KafkaBrokerError as e:
+        print(e, file=sys.stderr)
+        return 1
+    args.pid_file.parent.mkdir(parents=True, exist_ok=True)
+    args.pid_file.write_text(f"{broker.pid}\n")
+    print(f"broker log: {broker.log_file}", file=sys.stderr)
+    print(f"KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap_servers}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The shared log: typed, hash-chained events on top of a raw backend.
+
+A ``SharedLog`` is opened by one principal (its ``actor``) and may append only
+to the topics that actor owns (and to the DLQ). For every (topic, session) it
+assigns ``seq`` gapless from 0 and links ``prev_hash`` to the previous record.
+After a restart it recovers both by re-reading the log: the first append to a
+partition replays that partition through a ``ChainVerifier``, the same check
+every consumer makes, so a forged record never becomes the tail it links to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from log import topics as topic_table
+from log.backend import Backend, OutRecord
+from log.chain import ChainVerifier
+from log.codec import ZERO_HASH, Codec
+from log.consumer import EventConsumer
+from log.errors import NotTopicOwner, RecordError
+from log.partitioner import partition_for
+from log.types import Clock, Draft, LoggedEvent, Position, RawRecord, system_clock
+from schemas.envelope import Envelope
+from schemas.events import Event, RecordDeadLettered
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Chain:
+    """What a writer knows about one (topic, session) chain."""
+
+    next_seq: int = 0
+    last_hash: bytes = ZERO_HASH
+    # event_id -> where it landed (or the pending future while in flight); makes re-appends no-ops.
+    known: dict[str, Position | asyncio.Future[Position]] = field(default_factory=dict)
+
+
+class SharedLog:
+    """Append typed events as ``actor``; read sessions; consume as a group.
+
+    Use as an async context manager, or call ``start()`` and ``close()``.
+    """
+
+    def __init__(self, backend: Backend, *, actor: str, clock: Clock = system_clock) -> None:
+        self.backend = backend
+        self.actor = actor
+        self.clock = clock
+        self.codec = Codec()
+        self.num_partitions = 0
+        self._chains: dict[tuple[str, str], _Chain] = {}
+        self._loaded: set[tuple[str, int]] = set()
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # Dead letters go to a chain of this instance's own (see dead_letter()).
+        self._dlq_session = f"dlq/{actor}/{uuid.uuid4().hex[:12]}"
+
+    async def start(self) -> SharedLog:
+        await self.backend.start()
+        self.num_partitions = await self.backend.num_partitions()
+        return self
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+    async def __aenter__(self) -> SharedLog:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def partition_for(self, session_id: str) -> int:
+        return partition_for(session_id, self.num_partitions)
+
+    # ------------------------------------------------------------------ append
+
+    async def append(
+        self,
+        session_id: str,
+        body: Event,
+        *,
+        event_id: str | None = None,
+        causation_id: str | None = None,
+    ) -> Position:
+        """Append one event to the topic its body belongs on; returns where it landed.
+
+        Appending an ``event_id`` that is already in the log returns its position
+        and writes nothing.
+        """
+        (position,) = await self.append_many([Draft(session_id, body, event_id, causation_id)])
+        return position
+
+    async def append_many(self, drafts: Sequence[Draft]) -> list[Position]:
+        """Append events (all for one topic) in order, waiting once for all of them."""
+        if not drafts:
+            return []
+        topic = topic_table.topic_of(drafts[0].body)
+        for draft in drafts:
+            if topic_table.topic_of(draft.body) is not topic:
+                raise ValueError("append_many takes events of one topic; split the batch by topic")
+        if not topic.allows_actor(self.actor):
+            raise NotTopicOwner(f"{self.actor!r} may not append to {topic.name}; only {topic.owner!r} may")
+        return await self._append(topic, drafts)
+
+    async def dead_letter(self, record: RawRecord, error: RecordError, group: str) -> Position:
+        """Set a bad record aside on ``agent.dlq`` with the reason.
+
+        Each SharedLog instance writes its dead letters to a chain of its own
+        (session ``dlq/<actor>/<instance>``), so concurrent writers of the DLQ
+        never share a seq; the bad record's key is kept in the body.
+        """
+        body = RecordDeadLettered(
+            source_topic=record.position.topic,
+            source_partition=record.position.partition,
+            source_offset=record.position.offset,
+            source_session_id=record.key.decode(errors="replace") if record.key is not None else None,
+            error_type=type(error).__name__,
+            reason=str(error),
+            consumer_group=group,
+            raw_value=record.value,
+        )
+        (position,) = await self._append(topic_table.AGENT_DLQ, [Draft(self._dlq_session, body)])
+        return position
+
+    async def _append(self, topic: topic_table.Topic, drafts: Sequence[Draft]) -> list[Position]:
+        results: list[Position | asyncio.Future[Position] | None] = []
+        out: list[OutRecord] = []
+        fresh: list[tuple[int, _Chain, str]] = []  # (index in results, chain, event_id)
+        async with self._locks[topic.name]:
+            for partition in {self.partition_for(d.session_id) for d in drafts}:
+                if topic is not topic_table.AGENT_DLQ and (topic.name, partition) not in self._loaded:
+                    await self._load_partition(topic, partition)
+            for draft in drafts:
+                chain = self._chains.setdefault((topic.name, draft.session_id), _Chain())
+                event_id = draft.event_id or str(uuid.uuid4())
+                if event_id in chain.known:
+                    results.append(chain.known[event_id])
+                    continue
+                value, digest = self.codec.encode(
+                    event_id=event_id,
+                    session_id=draft.session_id,
+                    seq=chain.next_seq,
+                    actor=self.actor,
+                    occurred_at=draft.occurred_at or self.clock(),
+                    causation_id=draft.causation_id,
+                    prev_hash=chain.last_hash,
+                    body=draft.body,
+                )
+                out.append(
+                    OutRecord(
+                        self.partition_for(draft.session_id),
+                        draft.session_id.encode(),
+                        value,
+                        chain.next_seq,
+                        event_id,
+                    )
+                )
+                chain.next_seq += 1
+                chain.last_hash = digest
+                pending: asyncio.Future[Position] = asyncio.get_running_loop().create_future()
+                chain.known[event_id] = pending
+                fresh.append((len(results), chain, event_id))
+                results.append(pending)
+            produced = await self.backend.produce(topic.name, out) if out else None
+        try:
+            positions = await produced if produced is not None else []
+        except BaseException as e:
+            # Some of the batch may have landed: forget what we assumed and re-read the log next time.
+            self._forget(topic.name, {r.partition for r in out})
+            for _, chain, event_id in fresh:
+                future = chain.known.get(event_id)
+                if isinstance(future, asyncio.Future) and not future.done():
+                    future.set_exception(e)
+                    future.exception()  # mark retrieved: the caller gets the error below
+            raise
+        for (index, chain, event_id), position in zip(fresh, positions, strict=True):
+            future = chain.known[event_id]
+            if isinstance(future, asyncio.Future):
+                future.set_result(position)
+            chain.known[event_id] = position
+            results[index] = position
+        return [r if isinstance(r, Position) else await r for r in results if r is not None]
+
+    async def _load_partition(self, topic: topic_table.Topic, partition: int) -> None:
+        """Recover seq, prev_hash and known event ids of every session in one partition."""
+        verifier = ChainVerifier()
+        num_records = 0
+        async for record in self.backend.scan(topic.name, partition):
+            num_records += 1
+            try:
+                envelope = self.codec.decode(record.value)
+                verifier.verify(topic, record.key, envelope, record.position)
+            except RecordError:
+                continue  # consumers dead-letter it; it is not part of any chain
+            chain = self._chains.setdefault((topic.name, envelope.session_id), _Chain())
+            chain.next_seq = envelope.seq + 1
+            chain.last_hash = envelope.hash
+            chain.known[envelope.event_id] = record.position
+        self._loaded.add((topic.name, partition))
+        _log.debug("recovered %s[%d] from %d records", topic.name, partition, num_records)
+
+    def _forget(self, topic: str, partitions: Iterable[int]) -> None:
+        partitions = set(partitions)
+        self._loaded -= {(topic, p) for p in partitions}
+        for key in [k for k in self._chains if k[0] == topic and self.partition_for(k[1]) in partitions]:
+            del self._chains[key]
+
+    # -------------------------------------------------------------------- read
+
+    async def history(self, session_id: str, topics: Iterable[str] | None = None) -> list[LoggedEvent]:
+        """One session's verified events across topics, in order.
+
+        Within a topic the order is the log's. Across topics, events are merged by
+        ``occurred_at``, then by topic (DESIGN.md table order), then by seq.
+        Records that fail verification are left out (consumers dead-letter them).
+        """
+        names = list(topics) if topics is not None else [t.name for t in topic_table.TOPICS[:-1]]
+        partition = self.partition_for(session_id)
+        found: list[LoggedEvent] = []
+        for name in names:
+            topic = topic_table.topic(name)
+            verifier = ChainVerifier()
+            for record in await self.backend.read_key(name, partition, session_id.encode()):
+                try:
+                    envelope = self.codec.decode(record.value)
+                    verifier.verify(topic, record.key, envelope, record.position)
+                except RecordError as e:
+                    _log.warning("history of %s skips %s: %s", session_id, record.position, e)
+                    continue
+                found.append(LoggedEvent(record.position, envelope))
+        found.sort(key=lambda e: (e.envelope.occurred_at, topic_table.TOPIC_ORDER[e.topic], e.seq))
+        return found
+
+    def scan(self, topic: str, partition: int, start: int = 0, end: int | None = None) -> AsyncIterator[RawRecord]:
+        """Raw records of one partition (for audits and tools)."""
+        return self.backend.scan(topic, partition, start, end)
+
+    def decode(self, record: RawRecord) -> Envelope:
+        """Decode and self-verify one raw record (raises a RecordError)."""
+        return self.codec.decode(record.value)
+
+    async def end_offsets(self, topic: str) -> dict[int, int]:
+        return await self.backend.end_offsets(topic)
+
+    def consumer(self, group: str, topics: Sequence[str], *, from_beginning: bool = False) -> EventConsumer:
+        """A typed consumer in consumer group ``group`` (call ``await consumer.start()``)."""
+        return EventConsumer(self, group, topics, from_beginning=from_beginning)

@@ -1,0 +1,106 @@
+"""The topics of the log, who may write each, and which bodies belong where.
+
+One topic per writing role (a privilege domain, DESIGN.md section 3). All are
+keyed by session id and co-partitioned: partition p of every topic holds the
+same sessions, so one consumer owning partition p sees a session's whole story.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from log.errors import UnknownTopic
+from schemas import events as ev
+from schemas.events import Model
+
+ANY_ACTOR = "*"
+
+
+@dataclass(frozen=True)
+class Topic:
+    """A topic, its only writer, and the body types it holds."""
+
+    name: str
+    owner: str
+    bodies: tuple[type[Model], ...]
+    infinite_retention: bool = True
+
+    def allows_actor(self, actor: str) -> bool:
+        return self.owner in (ANY_ACTOR, actor)
+
+
+AGENT_ACTIONS = Topic(
+    "agent.actions",
+    "planner",
+    (
+        ev.SessionStarted,
+        ev.SessionFinished,
+        ev.SessionFailed,
+        ev.LLMCallStarted,
+        ev.LLMCallCompleted,
+        ev.ToolCallProposed,
+        ev.CheckpointTaken,
+        ev.ForkCreated,
+        ev.RestoreApplied,
+        ev.RestoreRefused,
+        ev.MergeApplied,
+        ev.MergeConflict,
+    ),
+)
+AGENT_VERDICTS = Topic("agent.verdicts", "decider", (ev.ToolCallCommitted, ev.ToolCallAborted))
+AGENT_EFFECTS = Topic(
+    "agent.effects",
+    "executor",
+    (ev.ToolCallStarted, ev.ToolCallCompleted, ev.ToolCallFailed, ev.ToolCallInDoubt),
+)
+KV_EVENTS = Topic(
+    "kv.events",
+    "engine-bridge",
+    (ev.KVBlocksStored, ev.KVBlocksRemoved, ev.KVAllBlocksCleared, ev.KVCacheHit, ev.KVSwapCompleted),
+)
+KV_DECISIONS = Topic("kv.decisions", "cache-manager", (ev.CacheDecisionMade,))
+OPS_COMMANDS = Topic(
+    "ops.commands",
+    "operator",
+    (
+        ev.ApprovalGiven,
+        ev.CancelRequested,
+        ev.CheckpointRequested,
+        ev.ForkRequested,
+        ev.RestoreRequested,
+        ev.MergeRequested,
+    ),
+)
+AGENT_DLQ = Topic("agent.dlq", ANY_ACTOR, (ev.RecordDeadLettered,), infinite_retention=False)
+
+TOPICS: tuple[Topic, ...] = (
+    AGENT_ACTIONS,
+    AGENT_VERDICTS,
+    AGENT_EFFECTS,
+    KV_EVENTS,
+    KV_DECISIONS,
+    OPS_COMMANDS,
+    AGENT_DLQ,
+)
+"""Every topic, in a fixed order (also the tie-break when merging topics by time)."""
+
+BY_NAME: dict[str, Topic] = {t.name: t for t in TOPICS}
+TOPIC_ORDER: dict[str, int] = {t.name: i for i, t in enumerate(TOPICS)}
+
+DEFAULT_PARTITIONS = 4
+
+
+def topic(name: str) -> Topic:
+    """The topic called ``name``; raises UnknownTopic for anything else."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise UnknownTopic(f"{name!r} is not a topic of the log; topics are {', '.join(BY_NAME)}") from None
+
+
+def topic_of(body: Model) -> Topic:
+    """The one topic a body type belongs on."""
+    for t in TOPICS:
+        if isinstance(body, t.bodies):
+            return t
+    raise TypeError(f"{type(body).__name__} belongs on no topic")

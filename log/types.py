@@ -1,0 +1,94 @@
+"""Small value types shared by the log's modules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import NewType
+
+from schemas.envelope import Envelope
+from schemas.events import Event
+
+Offset = NewType("Offset", int)
+
+Clock = Callable[[], datetime]
+"""Injected time source: returns an aware UTC datetime."""
+
+
+def system_clock() -> datetime:
+    """The wall clock, for processes (never used inside services/)."""
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Position:
+    """Where a record lives: ``offset`` within ``partition`` of ``topic``.
+
+    Offset convention, used everywhere: a committed offset is the offset of the
+    *next* record to read, i.e. ``position.offset + 1`` after processing it.
+    """
+
+    topic: str
+    partition: int
+    offset: int
+
+    def __str__(self) -> str:
+        return f"{self.topic}[{self.partition}]@{self.offset}"
+
+
+@dataclass(frozen=True, slots=True)
+class RawRecord:
+    """A record as the backend stores it: key and value bytes at a position."""
+
+    position: Position
+    key: bytes | None
+    value: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedEvent:
+    """A decoded, verified record and where it was read."""
+
+    position: Position
+    envelope: Envelope
+
+    @property
+    def body(self) -> Event:
+        return self.envelope.body
+
+    @property
+    def session_id(self) -> str:
+        return self.envelope.session_id
+
+    @property
+    def seq(self) -> int:
+        return self.envelope.seq
+
+    @property
+    def topic(self) -> str:
+        return self.position.topic
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """An event to append: the log fills in seq, prev_hash, hash and the time.
+
+    Give a deterministic ``event_id`` (e.g. derived from session and call id)
+    to make a retried append a no-op.
+    """
+
+    session_id: str
+    body: Event
+    event_id: str | None = None
+    causation_id: str | None = None
+    occurred_at: datetime | None = None
+
+
+@dataclass
+class ConsumerStats:
+    """Counters a consumer keeps about what it has read."""
+
+    num_delivered: int = 0
+    num_dead_lettered: int = 0
+    dead_lettered_by_error: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,115 @@
+"""Schemas evolve compatibly: every release stays readable, and a breaking change is rejected."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import pytest
+from fastavro import parse_schema, schemaless_reader, schemaless_writer
+from fastavro.read import SchemaResolutionError
+
+from schemas import registry
+
+pytestmark = pytest.mark.unit
+
+
+def crc64_avro(data: bytes) -> bytes:
+    """CRC-64-AVRO straight from the Avro specification, as little-endian bytes."""
+    empty = 0xC15D213AA4D7A795
+    table = []
+    for i in range(256):
+        fp = i
+        for _ in range(8):
+            fp = (fp >> 1) ^ (empty & -(fp & 1))
+        table.append(fp)
+    fp = empty
+    for byte in data:
+        fp = (fp >> 8) ^ table[(fp ^ byte) & 0xFF]
+    return fp.to_bytes(8, "little")
+
+
+def test_fingerprint_is_the_spec_crc64() -> None:
+    assert registry.canonical_fingerprint("null") == crc64_avro(b'"null"')
+    assert registry.canonical_fingerprint("null") == (7195948357588979594).to_bytes(8, "little")  # the spec's value
+
+
+def test_current_envelope_is_released() -> None:
+    """Changing an .avsc without releasing a new envelope version fails here.
+
+    Fix: ``python -m schemas.registry release <next version>``, after checking
+    that the change is compatible (the tests below run on every release).
+    """
+    latest = registry.releases()[-1]
+    assert registry.expanded_envelope() == latest.schema, (
+        f"schemas/avro changed since release v{latest.version}: add release v{latest.version + 1}"
+    )
+    assert registry.current_fingerprint() == latest.fingerprint
+
+
+def sample_datum(schema: Any, names: dict[str, Any]) -> Any:
+    """A value of any Avro schema (first union branch, one array element)."""
+    if isinstance(schema, str):
+        if schema in names:
+            return sample_datum(names[schema], names)
+        return {"null": None, "string": "s", "long": 7, "int": 7, "double": 1.5, "boolean": True, "bytes": b"b"}[
+            schema
+        ]
+    if isinstance(schema, list):
+        return sample_datum(schema[-1], names)
+    kind = schema["type"]
+    if kind == "record":
+        names[f"{schema.get('namespace', registry.NAMESPACE)}.{schema['name']}"] = schema
+        return {f["name"]: sample_datum(f["type"], names) for f in schema["fields"]}
+    if kind == "enum":
+        names[f"{schema.get('namespace', registry.NAMESPACE)}.{schema['name']}"] = schema
+        return schema["symbols"][0]
+    if kind == "array":
+        return [sample_datum(schema["items"], names)]
+    if kind == "map":
+        return {"k": sample_datum(schema["values"], names)}
+    return sample_datum(kind, names)
+
+
+def resolves(writer: dict[str, Any], reader: dict[str, Any]) -> bool:
+    """Whether a record written with ``writer`` can be read with ``reader``."""
+    datum = sample_datum(writer, {})
+    buf = io.BytesIO()
+    schemaless_writer(buf, parse_schema(writer, named_schemas={}), datum)
+    buf.seek(0)
+    try:
+        schemaless_reader(buf, parse_schema(writer, named_schemas={}), parse_schema(reader, named_schemas={}))
+    except SchemaResolutionError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("release", registry.releases(), ids=lambda r: f"v{r.version}")
+def test_old_records_resolve_to_the_current_reader(release: registry.Release) -> None:
+    assert resolves(release.schema, registry.expanded_envelope())
+
+
+@pytest.mark.parametrize("release", registry.releases(), ids=lambda r: f"v{r.version}")
+def test_old_readers_resolve_current_records(release: registry.Release) -> None:
+    assert resolves(registry.expanded_envelope(), release.schema)
+
+
+def test_a_breaking_change_is_rejected() -> None:
+    current = registry.expanded_envelope()
+    # A new required field: records written before it have no value for it.
+    added = json.loads(json.dumps(current))
+    added["fields"].insert(1, {"name": "tenant", "type": "string", "doc": "new, no default"})
+    assert not resolves(current, added)
+    # A field whose type changes incompatibly.
+    retyped = json.loads(json.dumps(current))
+    retyped["fields"][2]["type"] = "boolean"  # seq: long -> boolean
+    assert not resolves(current, retyped)
+
+
+def test_a_compatible_change_is_accepted() -> None:
+    current = registry.expanded_envelope()
+    extended = json.loads(json.dumps(current))
+    extended["fields"].insert(1, {"name": "tenant", "type": ["null", "string"], "default": None, "doc": "new"})
+    assert resolves(current, extended)
+    assert resolves(extended, current)
