@@ -14,27 +14,33 @@ from log.shared_log import SharedLog
 from log.types import Clock, system_clock
 
 ENV_URL = "AGENTLOG_LOG_URL"
+ENV_NAMESPACE = "AGENTLOG_NAMESPACE"
 
 
-def backend_for(url: str | None) -> Backend:
-    """The backend a URL names (see the module docstring)."""
+def backend_for(url: str | None, *, namespace: str | None = None) -> Backend:
+    """The backend a URL names (see the module docstring).
+
+    ``namespace`` (or ``AGENTLOG_NAMESPACE``) keeps several logs apart on one
+    server: a topic prefix on Kafka, a schema on Postgres.
+    """
     url = url or os.environ.get(ENV_URL) or "embedded"
+    namespace = namespace if namespace is not None else os.environ.get(ENV_NAMESPACE, "")
     if url.startswith("kafka://"):
         from log.kafka_backend import KafkaBackend
 
-        return KafkaBackend(url.removeprefix("kafka://"))
+        return KafkaBackend(url.removeprefix("kafka://"), namespace=namespace)
     if url.startswith(("postgresql://", "postgres://")):
         from log.postgres_backend import PostgresBackend
 
-        return PostgresBackend(url)
+        return PostgresBackend(url, namespace=namespace)
     if url == "embedded":
         from log.embedded import start_embedded
         from log.postgres_backend import PostgresBackend
 
-        return PostgresBackend(start_embedded())
+        return PostgresBackend(start_embedded(), namespace=namespace)
     raise ValueError(f"unsupported log URL {url!r}: use kafka://host:port, postgresql://... or embedded")
 
 
-def open_log(url: str | None, *, actor: str, clock: Clock = system_clock) -> SharedLog:
+def open_log(url: str | None, *, actor: str, clock: Clock = system_clock, namespace: str | None = None) -> SharedLog:
     """A SharedLog for ``actor`` on the log at ``url`` (call ``await log.start()`` or use ``async with``)."""
-    return SharedLog(backend_for(url), actor=actor, clock=clock)
+    return SharedLog(backend_for(url, namespace=namespace), actor=actor, clock=clock)

@@ -8,6 +8,7 @@ backend, as a forger with write access to the broker or database would.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -111,7 +112,7 @@ class SharedLogContract:
                 assert offsets == sorted(offsets)
                 # The chain: each record's prev_hash is the previous record's hash.
                 assert history[0].envelope.prev_hash == ZERO_HASH
-                for before, after in zip(history, history[1:]):
+                for before, after in itertools.pairwise(history):
                     assert after.envelope.prev_hash == before.envelope.hash
 
         run(scenario)
@@ -339,9 +340,9 @@ class SharedLogContract:
                     seen["a"] += await a.poll(timeout_s=0.2)
                     seen["b"] += await b.poll(timeout_s=0.2)
                     owned_a, owned_b = a.assignment(), b.assignment()
-                    if owned_a and owned_b and len(owned_a | owned_b) == NUM_PARTITIONS and not owned_a & owned_b:
-                        if len(seen["a"]) + len(seen["b"]) >= 16:
-                            break
+                    split = owned_a and owned_b and len(owned_a | owned_b) == NUM_PARTITIONS and not owned_a & owned_b
+                    if split and len(seen["a"]) + len(seen["b"]) >= 16:
+                        break
                 assert a.assignment() and b.assignment()
                 assert not a.assignment() & b.assignment()
                 sessions_a = {e.session_id for e in seen["a"]}

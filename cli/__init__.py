@@ -1,0 +1,1 @@
+"""logctl, the operator's command line."""

@@ -1,0 +1,110 @@
+"""logctl: create the log, watch it, and (in later issues) run, audit and steer agents.
+
+Every command takes ``--log-url`` (or ``AGENTLOG_LOG_URL``): ``kafka://host:port``,
+``postgresql://...``, or nothing for the embedded Postgres default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import uuid
+from typing import Annotated
+
+import typer
+
+from cli.render import event_line, event_to_json
+from log import TOPICS, open_log
+from log.topics import DEFAULT_PARTITIONS
+
+app = typer.Typer(help="Operate agentlog: the event-sourced control plane for LLM agents.", no_args_is_help=True)
+
+LogUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--log-url", envvar="AGENTLOG_LOG_URL", help="kafka://host:port, postgresql://..., or empty for embedded"
+    ),
+]
+# The namespace is read from AGENTLOG_NAMESPACE by log.urls (a topic prefix on Kafka, a schema on Postgres).
+Json = Annotated[bool, typer.Option("--json", help="JSON lines for scripts instead of a table")]
+
+
+@app.command()
+def init(
+    log_url: LogUrl = None,
+    partitions: Annotated[int, typer.Option(help="Partitions per topic (all topics get the same count)")] = (
+        DEFAULT_PARTITIONS
+    ),
+    as_json: Json = False,
+) -> None:
+    """Create the log's topics (idempotent): infinite retention, delete policy, co-partitioned."""
+    ends = asyncio.run(_init(log_url, partitions))
+    if as_json:
+        typer.echo(json.dumps({"topics": {name: sum(e.values()) for name, e in ends.items()}}))
+        return
+    typer.echo(f"{'topic':<16} {'partitions':>10} {'records':>10}")
+    for name, e in ends.items():
+        typer.echo(f"{name:<16} {len(e):>10} {sum(e.values()):>10}")
+
+
+async def _init(log_url: str | None, partitions: int) -> dict[str, dict[int, int]]:
+    log = open_log(log_url, actor="admin")
+    await log.backend.start()
+    try:
+        await log.backend.create_topics(partitions)
+        return {t.name: await log.backend.end_offsets(t.name) for t in TOPICS}
+    finally:
+        await log.backend.close()
+
+
+@app.command()
+def tail(
+    log_url: LogUrl = None,
+    topic: Annotated[
+        list[str] | None, typer.Option("--topic", "-t", help="Topic to follow (repeatable); default all")
+    ] = None,
+    from_beginning: Annotated[bool, typer.Option("--from-beginning", help="Start at the first record")] = False,
+    limit: Annotated[int, typer.Option(help="Stop after this many events (0: follow forever)")] = 0,
+    idle_exit: Annotated[float, typer.Option(help="Stop after this many idle seconds (0: never)")] = 0.0,
+    group: Annotated[str, typer.Option(help="Consumer group (commits are not made: tail never moves a group)")] = "",
+    as_json: Json = False,
+) -> None:
+    """Follow the log: one readable line per verified event (bad records go to agent.dlq)."""
+    topics = topic or [t.name for t in TOPICS]
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how people stop following
+        asyncio.run(_tail(log_url, topics, from_beginning, limit, idle_exit, group, as_json))
+
+
+async def _tail(
+    log_url: str | None,
+    topics: list[str],
+    from_beginning: bool,
+    limit: int,
+    idle_exit: float,
+    group: str,
+    as_json: bool,
+) -> None:
+    group = group or f"logctl-tail-{uuid.uuid4().hex[:8]}"
+    shown = 0
+    idle = 0.0
+    async with (
+        open_log(log_url, actor="auditor") as log,
+        log.consumer(group, topics, from_beginning=from_beginning) as consumer,
+    ):
+        while limit == 0 or shown < limit:
+            events = await consumer.poll(timeout_s=0.5)
+            idle = 0.0 if events else idle + 0.5
+            if idle_exit and idle >= idle_exit:
+                break
+            for event in events[: (limit - shown) if limit else None]:
+                typer.echo(json.dumps(event_to_json(event)) if as_json else event_line(event))
+                shown += 1
+            sys.stdout.flush()
+        if consumer.stats.num_dead_lettered:
+            typer.echo(f"{consumer.stats.num_dead_lettered} bad records sent to agent.dlq", err=True)
+
+
+if __name__ == "__main__":
+    app()
