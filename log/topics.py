@@ -63,6 +63,7 @@ OPS_COMMANDS = Topic(
     "ops.commands",
     "operator",
     (
+        ev.SessionRequested,
         ev.ApprovalGiven,
         ev.CancelRequested,
         ev.CheckpointRequested,

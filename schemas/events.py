@@ -354,6 +354,14 @@ class ApprovalGiven(Model):
     reason: str = Field(description="Why, in the author's words.")
 
 
+class SessionRequested(Model):
+    """An operator (or logctl run) asked for a new session of a program; the planner starts it."""
+
+    program: str = Field(description="Name of the agent program to run (e.g. trace, react).")
+    args_json: str = Field(description="The program's arguments as a JSON object.")
+    author: str = Field(description="The person or tool that asked.")
+
+
 class CancelRequested(Model):
     """An operator asked to cancel a session."""
 
@@ -439,8 +447,9 @@ EVENT_TYPES: tuple[type[Model], ...] = (
     RestoreRequested,
     MergeRequested,
     RecordDeadLettered,
+    SessionRequested,
 )
-"""Every body type, in the order of the envelope's ``body`` union."""
+"""Every body type, in the order of the envelope's ``body`` union (new types go at the end)."""
 
 NESTED_TYPES: tuple[type[Model], ...] = (Vote, EffectRef)
 ENUM_TYPES: tuple[type[StrEnum], ...] = (EffectClass, VoteDecision, KVTier, CacheAction, ApprovalDecision)
@@ -477,5 +486,6 @@ Event = (
     | RestoreRequested
     | MergeRequested
     | RecordDeadLettered
+    | SessionRequested
 )
 """Any event body."""

@@ -55,7 +55,9 @@ def sample_datum(schema: Any, names: dict[str, Any]) -> Any:
             return sample_datum(names[schema], names)
         return {"null": None, "string": "s", "long": 7, "int": 7, "double": 1.5, "boolean": True, "bytes": b"b"}[schema]
     if isinstance(schema, list):
-        return sample_datum(schema[-1], names)
+        # The first branch: new event types are appended to the body union, so an old reader
+        # knows the first ones (it cannot know a type added after it; that is Avro's rule too).
+        return sample_datum(schema[0], names)
     kind = schema["type"]
     if kind == "record":
         names[f"{schema.get('namespace', registry.NAMESPACE)}.{schema['name']}"] = schema

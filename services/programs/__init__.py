@@ -1,0 +1,39 @@
+"""Agent programs: deterministic functions of a session's results to its next action."""
+
+from services.programs.base import (
+    Action,
+    CallLLM,
+    CallTool,
+    Fail,
+    Finish,
+    InvalidAction,
+    LLMResult,
+    Program,
+    ProgramView,
+    Prompt,
+    TokenRun,
+    ToolResult,
+)
+from services.programs.react import ReactProgram
+from services.programs.trace import TraceProgram
+
+PROGRAMS: dict[str, Program] = {p.name: p for p in (TraceProgram(), ReactProgram())}
+"""Built-in programs by name."""
+
+__all__ = [
+    "PROGRAMS",
+    "Action",
+    "CallLLM",
+    "CallTool",
+    "Fail",
+    "Finish",
+    "InvalidAction",
+    "LLMResult",
+    "Program",
+    "ProgramView",
+    "Prompt",
+    "ReactProgram",
+    "TokenRun",
+    "ToolResult",
+    "TraceProgram",
+]

@@ -1,0 +1,146 @@
+"""What an agent program is: a deterministic function from its results so far to its next action.
+
+A program never sees the log, the clock or the engine. The planner gives it a
+``ProgramView`` (its arguments and the results of its completed steps, in
+order) and carries out the ``Action`` it returns. Given the same view it must
+return the same action: that is what lets recovery replay it against the
+recorded results and run only what is left.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+VOCAB_SIZE = 32_000
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRun:
+    """``count`` synthetic tokens drawn from ``seed``: a stand-in for text when only sizes matter.
+
+    Token i of a run is a fixed function of (seed, i), so the same run always
+    yields the same tokens, and two prompts that share runs share a prefix
+    (and KV cache blocks).
+    """
+
+    seed: str
+    count: int
+
+    def token_ids(self) -> list[int]:
+        base = zlib.crc32(self.seed.encode())
+        return [(base + i * 2_654_435_761) % VOCAB_SIZE for i in range(self.count)]
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt as text (real models) or as token runs (simulated engines)."""
+
+    runs: tuple[TokenRun, ...] = ()
+    text: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the runs (a text prompt is counted by the engine's tokenizer)."""
+        return sum(r.count for r in self.runs)
+
+    def token_ids(self) -> list[int]:
+        ids: list[int] = []
+        for run in self.runs:
+            ids.extend(run.token_ids())
+        return ids
+
+    def to_json(self) -> dict[str, Any]:
+        return {"runs": [[r.seed, r.count] for r in self.runs], "text": self.text}
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Prompt:
+        return Prompt(tuple(TokenRun(seed, count) for seed, count in data.get("runs", [])), data.get("text"))
+
+
+def output_run(request_id: str, num_tokens: int) -> TokenRun:
+    """The tokens a simulated engine generates for ``request_id`` (see workers.engines.sim)."""
+    return TokenRun(f"{request_id}:out", num_tokens)
+
+
+# ----------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class CallLLM:
+    prompt: Prompt
+    max_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CallTool:
+    tool: str
+    arguments: dict[str, Any]
+    resource: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    output: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """The program gives up; the session fails with this reason."""
+
+    reason: str
+
+
+Action = CallLLM | CallTool | Finish | Fail
+
+
+# ----------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class LLMResult:
+    call_id: str
+    request_id: str
+    output_text: str
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    call_id: str
+    tool: str
+    ok: bool
+    result: Any
+    result_tokens: int
+    error: str | None = None
+
+
+Result = LLMResult | ToolResult
+
+
+@dataclass(frozen=True)
+class ProgramView:
+    """What a program may know: who it is, its arguments, and its results so far."""
+
+    session_id: str
+    args: dict[str, Any]
+    results: tuple[Result, ...] = field(default_factory=tuple)
+
+    @property
+    def step(self) -> int:
+        """The index of the action being asked for."""
+        return len(self.results)
+
+
+class Program(Protocol):
+    """An agent program. ``next_action`` must be a pure, deterministic function of the view."""
+
+    name: str
+
+    def next_action(self, view: ProgramView) -> Action: ...
+
+
+class InvalidAction(Exception):
+    """A program returned something that is not an action, or an action that cannot be carried out."""
