@@ -37,6 +37,10 @@ imports). In the measured round agentlog appends first (raw needs its bytes)
 and raw consumes first, so each side goes first once. The inputs are built
 before any clock starts and frozen out of the garbage collector (``gc.freeze``)
 so that the benchmark's own data does not slow collections down.
+
+Read the ratios with the CRC-32C line of the header: kafka-python checksums
+every record batch, in pure Python unless the optional ``crc32c`` package is
+installed, and that checksum then dominates the raw side's cost on both paths.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ from typing import Any
 import kafka
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.admin import KafkaAdminClient
+from kafka.errors import KafkaError
+from kafka.record import util as kafka_record_util
 
 from log import Draft, RawRecord, SharedLog
 from log.chain import ChainVerifier
@@ -223,9 +229,16 @@ def freeze_heap() -> None:
 
 @dataclass
 class Timing:
+    """``events`` records of ``bytes`` value bytes in ``seconds``.
+
+    ``first_s``: for consumers, seconds until the first records arrived (the group
+    join and the first fetch), included in ``seconds``.
+    """
+
     seconds: float
     events: int
     bytes: int
+    first_s: float | None = None
 
     @property
     def events_per_s(self) -> float:
@@ -303,11 +316,12 @@ def delete_namespaces(bootstrap: str, namespaces: Sequence[str]) -> None:
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, **KafkaBackend(bootstrap).client_config)
     try:
         prefixes = tuple(f"{ns}." for ns in namespaces)
-        with contextlib.suppress(kafka.errors.KafkaError):
-            admin.delete_groups([_group(ns) for ns in namespaces])
+        admin.delete_groups([_group(ns) for ns in namespaces])  # returns per-group errors; none matter
         topics = [t for t in admin.list_topics() if t.startswith(prefixes)]
         if topics:
             admin.delete_topics(topics)
+    except KafkaError as e:
+        print(f"could not delete the bench topics of {', '.join(namespaces)}: {e}", file=sys.stderr)
     finally:
         admin.close()
 
@@ -376,17 +390,14 @@ async def agentlog_consume(
         log.consumer(_group(namespace), [TOPIC], from_beginning=True) as consumer,
     ):
         freeze_heap()
-        count = 0
+        progress = Progress(num_events)
         with profiler.phase("agentlog_consume"):
-            start = last = time.perf_counter()
-            while count < num_events:
+            while not progress.done:
                 events = await consumer.poll(timeout_s=1.0, max_records=POLL_RECORDS)
-                count += len(events)
-                last = _check_progress(bool(events), last, count, num_events)
-            seconds = time.perf_counter() - start
+                progress.add(len(events))
         if consumer.stats.num_dead_lettered:
             raise RuntimeError(f"{consumer.stats.num_dead_lettered} records were dead-lettered")
-    return Timing(seconds, count, num_bytes)
+    return progress.timing(num_bytes)
 
 
 def raw_consume(bootstrap: str, topic: str, group: str, num_events: int, profiler: Profiler) -> Timing:
@@ -401,28 +412,51 @@ def raw_consume(bootstrap: str, topic: str, group: str, num_events: int, profile
     try:
         consumer.subscribe([topic])
         freeze_heap()
-        count = size = 0
+        progress = Progress(num_events)
+        size = 0
         with profiler.phase("raw_consume"):
-            start = last = time.perf_counter()
-            while count < num_events:
+            while not progress.done:
                 batch = consumer.poll(timeout_ms=1000, max_records=POLL_RECORDS)
                 for messages in batch.values():
-                    count += len(messages)
-                    size += sum(len(m.value) for m in messages)
-                last = _check_progress(bool(batch), last, count, num_events)
-            seconds = time.perf_counter() - start
+                    size += sum(len(m.value) for m in messages)  # touch every record, decode nothing
+                    progress.add(len(messages))
+                if not batch:
+                    progress.add(0)
     finally:
         consumer.close()
-    return Timing(seconds, count, size)
+    return progress.timing(size)
 
 
-def _check_progress(progressed: bool, last: float, count: int, expected: int) -> float:
-    now = time.perf_counter()
-    if progressed:
-        return now
-    if now - last > STALL_TIMEOUT_S:
-        raise RuntimeError(f"no records for {STALL_TIMEOUT_S:.0f}s after {count} of {expected}")
-    return last
+class Progress:
+    """Counts consumed records against the clock; fails when none come for STALL_TIMEOUT_S."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.count = 0
+        self.start = self.last = time.perf_counter()
+        self.first_s: float | None = None
+        self.seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.count >= self.expected
+
+    def add(self, records: int) -> None:
+        now = time.perf_counter()
+        if records:
+            self.count += records
+            self.last = now
+            if self.first_s is None:
+                self.first_s = now - self.start
+            if self.done:
+                self.seconds = now - self.start
+        elif now - self.last > STALL_TIMEOUT_S:
+            raise RuntimeError(f"no records for {STALL_TIMEOUT_S:.0f}s after {self.count} of {self.expected}")
+
+    def timing(self, num_bytes: int) -> Timing:
+        if self.count != self.expected:
+            raise RuntimeError(f"consumed {self.count} records, expected {self.expected}")
+        return Timing(self.seconds, self.count, num_bytes, self.first_s)
 
 
 def decode_verify(records: Sequence[RawRecord]) -> Timing:
@@ -463,10 +497,14 @@ def run_round(bootstrap: str, drafts: Sequence[Draft], partitions: int, label: s
 
 
 def machine() -> dict[str, Any]:
+    # kafka-python checksums every record batch (CRC-32C) when producing and consuming; without the
+    # optional `crc32c` package it does so in pure Python, which dominates the raw client's cost.
+    native_crc = getattr(kafka_record_util, "crc32c_c", None) is not None
     return {
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "kafka_python": kafka.__version__,
+        "crc32c": "native (crc32c package)" if native_crc else "pure Python",
         "platform": platform.platform(),
     }
 
@@ -483,14 +521,20 @@ def format_table(phases: Sequence[Phase], num_events: int, partitions: int, info
     lines = [
         f"N = {num_events:,} events on {TOPIC}, {partitions} partitions, {total / 1e6:.1f} MB of record values "
         f"({total / num_events:.0f} B/event); MB = 10^6 B of values",
-        f"machine: {info['cores']} cores, Python {info['python']}, kafka-python {info['kafka_python']}, "
-        f"{info['platform']}",
+        f"machine: {info['cores']} cores, Python {info['python']}, kafka-python {info['kafka_python']} "
+        f"(CRC-32C: {info['crc32c']}), {info['platform']}",
         "",
     ]
     for row in rows:
         cells = [row[0].ljust(widths[0]), *(cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True))]
         lines.append("  ".join(cells))
-    lines.append("(decode+verify: Codec.decode + ChainVerifier.verify in memory, no I/O)")
+    lines.append("decode+verify: Codec.decode + ChainVerifier.verify in memory, no I/O")
+    consume = next((p for p in phases if p.name == "consume"), None)
+    if consume is not None and consume.raw is not None:
+        lines.append(
+            f"consume includes the group join and first fetch: {consume.agentlog.first_s or 0:.2f}s agentlog, "
+            f"{consume.raw.first_s or 0:.2f}s raw"
+        )
     return "\n".join(lines)
 
 
@@ -526,7 +570,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="warm-up events (0: none)")
     parser.add_argument("--json", type=Path, help="also write the numbers to this file")
     parser.add_argument(
-        "--profile", type=Path, help="write cProfile stats of each measured I/O phase to this directory"
+        "--profile",
+        type=Path,
+        help="write cProfile stats of each measured I/O phase to this directory (main thread only: "
+        "kafka-python's sender thread and EventConsumer's poll thread are not seen; use py-spy for those)",
     )
     return parser.parse_args(argv)
 

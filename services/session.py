@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -67,6 +68,7 @@ class ToolCall:
 
     call_id: str
     proposed: ev.ToolCallProposed
+    proposed_at: datetime | None = None
     status: ToolStatus = ToolStatus.PROPOSED
     verdict: ev.ToolCallCommitted | ev.ToolCallAborted | None = None
     num_verdicts: int = 0
@@ -127,6 +129,8 @@ class SessionState:
         self.applied.add(envelope.event_id)
         self.num_events += 1
         _evolve(self, envelope.body)
+        if isinstance(envelope.body, ev.ToolCallProposed):
+            self.tool_calls[envelope.body.call_id].proposed_at = envelope.occurred_at
         return True
 
 

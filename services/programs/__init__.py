@@ -15,9 +15,10 @@ from services.programs.base import (
     ToolResult,
 )
 from services.programs.react import ReactProgram
+from services.programs.script import ScriptProgram
 from services.programs.trace import TraceProgram
 
-PROGRAMS: dict[str, Program] = {p.name: p for p in (TraceProgram(), ReactProgram())}
+PROGRAMS: dict[str, Program] = {p.name: p for p in (TraceProgram(), ReactProgram(), ScriptProgram())}
 """Built-in programs by name."""
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "ProgramView",
     "Prompt",
     "ReactProgram",
+    "ScriptProgram",
     "TokenRun",
     "ToolResult",
     "TraceProgram",
