@@ -16,12 +16,16 @@ from typing import Annotated
 
 import typer
 
+from cli import agents
 from cli.render import event_line, event_to_json
+from cli.traces import app as trace_app
 from log import TOPICS, open_log
 from log.topics import DEFAULT_PARTITIONS
 
 app = typer.Typer(help="Operate agentlog: the event-sourced control plane for LLM agents.", no_args_is_help=True)
 logging.basicConfig(level=logging.WARNING, format="logctl: %(levelname)s: %(message)s")
+agents.register(app)
+app.add_typer(trace_app, name="trace", help="Import, generate and describe agent traces (docs/trace-format.md).")
 
 LogUrl = Annotated[
     str | None,
@@ -111,16 +115,24 @@ async def _tail(
 @app.command()
 def demo(
     log_url: LogUrl = None,
-    sessions: Annotated[int, typer.Option(help="Sessions to write")] = 20,
-    turns: Annotated[int, typer.Option(help="LLM call + tool call turns per session")] = 5,
+    sessions: Annotated[int, typer.Option(help="InferCept sessions to run")] = 50,
+    time_scale: Annotated[float, typer.Option(help="Compress tool and engine time (0.01 = 100x faster)")] = 0.01,
+    arrival_rate: Annotated[float, typer.Option(help="Session arrivals per second of trace time")] = 0.2,
+    seed: Annotated[int, typer.Option(help="Which sessions, which arrivals")] = 0,
     as_json: Json = False,
 ) -> None:
-    """Write agent sessions through the log as separate principals, read them back verified."""
-    from cli.demo import print_summary, run_demo
+    """The main job: InferCept trace sessions through the planner, decider, executor and sim engine."""
+    from cli.demo import print_report, run_demo
+    from log.embedded import data_dir
 
-    typer.echo(f"agentlog demo: {sessions} sessions x {turns} turns on {log_url or 'the embedded Postgres log'}")
-    result = asyncio.run(run_demo(log_url, sessions, turns))
-    typer.echo(json.dumps(result)) if as_json else print_summary(result)
+    typer.echo(
+        f"agentlog demo: {sessions} InferCept sessions, time x{time_scale:g}, on {log_url or 'the embedded log'}"
+    )
+    result = run_demo(log_url, sessions, time_scale, arrival_rate, seed, data_dir() / "runs")
+    if as_json:
+        typer.echo(json.dumps({**result, "summary": result["summary"].__dict__}))
+    else:
+        print_report(result)
 
 
 if __name__ == "__main__":

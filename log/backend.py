@@ -98,4 +98,8 @@ class Backend(ABC):
 
     @abstractmethod
     async def subscribe(self, group: str, topics: Sequence[str], *, from_beginning: bool) -> Subscription:
-        """Join consumer group ``group``; start at committed offsets, or at 0 with ``from_beginning``."""
+        """Join consumer group ``group``.
+
+        A partition newly assigned to this member starts at its committed offset, or at 0 with
+        ``from_beginning`` (so a worker that takes a partition over re-reads all of it).
+        """

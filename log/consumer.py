@@ -63,31 +63,47 @@ class EventConsumer:
         await self.close()
 
     def assignment(self) -> set[tuple[str, int]]:
+        """The (topic, partition) pairs this member owns now."""
         return self._subscription.assignment() if self._subscription else set()
+
+    def position(self, topic: str, partition: int) -> int:
+        """The offset of the next record this consumer will hand out (or dead-letter) in a partition."""
+        return self._next.get((topic, partition), 0)
 
     async def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[LoggedEvent]:
         """The next verified events (possibly none after ``timeout_s``)."""
         if self._subscription is None:
             raise RuntimeError("call await consumer.start() first")
         records = await self._subscription.poll(timeout_s, max_records)
+        assigned = self._subscription.assignment()
+        for tp in [tp for tp in self._next if tp not in assigned]:
+            del self._next[tp]  # moved to another member; if it comes back, it is read afresh
+        decode = self.log.codec.decode
+        verify = self._verifier.verify
         delivered: list[LoggedEvent] = []
+        # Backends hand out runs of records of one partition: look its topic up once per run.
+        tp = ("", -1)  # the (topic, partition) of the current run; none yet
+        topic = topic_table.AGENT_DLQ  # the Topic of the current run (set with the first record)
         for record in records:
-            tp = (record.position.topic, record.position.partition)
-            if self._next.get(tp, 0) != record.position.offset:
-                await self._rebuild_chains(tp, record.position.offset)
-            self._next[tp] = record.position.offset + 1
-            self._uncommitted[tp] = record.position.offset + 1
-            topic = topic_table.topic(record.position.topic)
+            position = record.position
+            if position.partition != tp[1] or position.topic != tp[0]:
+                tp = (position.topic, position.partition)
+                topic = topic_table.topic(position.topic)
+            offset = position.offset
+            if self._next.get(tp, 0) != offset:
+                await self._rebuild_chains(tp, offset)
+            # Kept per record, not per run: a concurrent commit() or position() sees each step.
+            self._next[tp] = self._uncommitted[tp] = offset + 1
             try:
-                envelope = self.log.codec.decode(record.value)
-                self._verifier.verify(topic, record.key, envelope, record.position)
+                envelope = decode(record.value)
+                verify(topic, record.key, envelope, position)
             except RecordError as error:
                 await self.log.dead_letter(record, error, self.group)
                 self.stats.num_dead_lettered += 1
                 name = type(error).__name__
                 self.stats.dead_lettered_by_error[name] = self.stats.dead_lettered_by_error.get(name, 0) + 1
                 continue
-            delivered.append(LoggedEvent(record.position, envelope))
+            delivered.append(LoggedEvent(position, envelope))
         self.stats.num_delivered += len(delivered)
         return delivered
 

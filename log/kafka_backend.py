@@ -58,32 +58,35 @@ def security_config() -> dict[str, Any]:
 class _BatchWaiter:
     """Turns N kafka-python send futures into one asyncio future.
 
-    Callbacks run on kafka-python's sender thread; counting there and waking the
-    event loop once per batch (not once per record) keeps large batches cheap.
+    kafka-python completes each send future on its sender thread. The callback
+    there only counts down (and keeps the first error); the last one wakes the
+    event loop once for the whole batch, and the loop reads the partition and
+    offset of every record from the futures themselves. Every future is
+    counted, so nothing is assumed about the order in which they complete.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, topic: str, n: int) -> None:
         self.loop = loop
         self.topic = topic
         self.future: asyncio.Future[list[Position]] = loop.create_future()
-        self.positions: list[Position | None] = [None] * n
+        self.sends: list[Any] = []  # kafka-python FutureRecordMetadata, in record order
         self.remaining = n
         self.error: BaseException | None = None
+        # A callback added to a future that is already done runs at once, on the event
+        # loop's thread, so the count is shared by two threads.
         self.lock = threading.Lock()
 
-    def on_success(self, index: int, metadata: Any) -> None:
-        with self.lock:
-            self.positions[index] = Position(self.topic, metadata.partition, metadata.offset)
-            self._count_down()
+    def add(self, send: Any) -> None:
+        self.sends.append(send)
+        send.add_both(self._count_down)  # called with the RecordMetadata or the exception
 
-    def on_error(self, index: int, error: BaseException) -> None:
+    def _count_down(self, outcome: Any) -> None:
         with self.lock:
-            self.error = self.error or error
-            self._count_down()
-
-    def _count_down(self) -> None:
-        self.remaining -= 1
-        if self.remaining == 0:
+            if self.error is None and isinstance(outcome, BaseException):
+                self.error = outcome
+            self.remaining -= 1
+            last = self.remaining == 0
+        if last:
             self.loop.call_soon_threadsafe(self._finish)
 
     def _finish(self) -> None:
@@ -91,8 +94,13 @@ class _BatchWaiter:
             return
         if self.error is not None:
             self.future.set_exception(BackendUnavailable(f"producing to {self.topic} failed: {self.error}"))
-        else:
-            self.future.set_result([p for p in self.positions if p is not None])
+            return
+        topic = self.topic
+        positions = []
+        for send in self.sends:
+            metadata = send.value
+            positions.append(Position(topic, metadata.partition, metadata.offset))
+        self.future.set_result(positions)
 
 
 class KafkaBackend(Backend):
@@ -203,10 +211,9 @@ class KafkaBackend(Backend):
             raise RuntimeError("backend not started")
         waiter = _BatchWaiter(asyncio.get_running_loop(), topic, len(records))
         physical = self.physical(topic)
-        for i, record in enumerate(records):
-            future = self._producer.send(physical, value=record.value, key=record.key, partition=record.partition)
-            future.add_callback(waiter.on_success, i)
-            future.add_errback(waiter.on_error, i)
+        send = self._producer.send
+        for record in records:
+            waiter.add(send(physical, value=record.value, key=record.key, partition=record.partition))
         return waiter.future
 
     async def _take_scanner(self) -> Any:
@@ -266,32 +273,38 @@ class KafkaSubscription(Subscription, ConsumerRebalanceListener):  # type: ignor
         self.group = group
         self.topics = tuple(topics)
         self.from_beginning = from_beginning
-        self._seen: set[tuple[str, int]] = set()
+        self._held: set[tuple[str, int]] = set()
         self._consumer: Any = None
 
     def join(self) -> None:
         # A new group with no committed offset starts at the beginning: an event log is read whole.
-        self._consumer = self.backend._consumer(group_id=self.group, auto_offset_reset="earliest")
+        # A member that dies (kill -9) keeps its partitions until its session times out:
+        # kafka-python's default is 45 s; 6 s (the broker's minimum) hands them over sooner.
+        self._consumer = self.backend._consumer(
+            group_id=self.group, auto_offset_reset="earliest", session_timeout_ms=6000, heartbeat_interval_ms=1000
+        )
         self._consumer.subscribe([self.backend.physical(t) for t in self.topics], listener=self)
 
-    # ConsumerRebalanceListener (called inside poll, on the polling thread)
+    # ConsumerRebalanceListener (called inside poll, on the polling thread). kafka-python
+    # rebalances eagerly: every rebalance revokes everything, then assigns the new set.
     def on_partitions_revoked(self, revoked: Any) -> None:
-        pass
+        self._held = {(tp.topic, tp.partition) for tp in revoked}
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         if self.from_beginning:
-            first_time = [tp for tp in assigned if (tp.topic, tp.partition) not in self._seen]
-            if first_time:
-                self._consumer.seek_to_beginning(*first_time)
-        self._seen.update((tp.topic, tp.partition) for tp in assigned)
+            # Partitions new to this member start at 0; partitions it kept continue where it was.
+            new = [tp for tp in assigned if (tp.topic, tp.partition) not in self._held]
+            if new:
+                self._consumer.seek_to_beginning(*new)
+        self._held = {(tp.topic, tp.partition) for tp in assigned}
 
     async def poll(self, timeout_s: float, max_records: int) -> list[RawRecord]:
         batch = await asyncio.to_thread(self._consumer.poll, int(timeout_s * 1000), max_records)
-        records = []
+        records: list[RawRecord] = []
         for tp in sorted(batch, key=lambda tp: (tp.topic, tp.partition)):
             topic = self.backend.logical(tp.topic)
-            for m in batch[tp]:
-                records.append(RawRecord(Position(topic, tp.partition, m.offset), m.key, m.value))
+            partition = tp.partition
+            records.extend(RawRecord(Position(topic, partition, m.offset), m.key, m.value) for m in batch[tp])
         return records
 
     async def commit(self, offsets: dict[tuple[str, int], int]) -> None:

@@ -106,7 +106,14 @@ class SessionState:
     num_events: int = 0
     applied: set[str] = field(default_factory=set)
     anomalies: list[str] = field(default_factory=list)
-    """Events that make sense on the wire but not here (a second verdict, an unknown call), in words."""
+    """Events that make sense on the wire but not here (a second verdict), in words."""
+    early: dict[str, list[ev.Event]] = field(default_factory=dict)
+    """Events about a tool call whose proposal has not been read yet, by call id.
+
+    Topics are ordered only within themselves: a verdict (agent.verdicts) or an
+    approval (ops.commands) can be read before the proposal (agent.actions) it
+    answers. They wait here and are applied right after the proposal.
+    """
 
     @property
     def steps(self) -> list[LLMCall | ToolCall]:
@@ -131,6 +138,8 @@ class SessionState:
         _evolve(self, envelope.body)
         if isinstance(envelope.body, ev.ToolCallProposed):
             self.tool_calls[envelope.body.call_id].proposed_at = envelope.occurred_at
+            for body in self.early.pop(envelope.body.call_id, []):
+                _evolve(self, body)
         return True
 
 
@@ -175,37 +184,37 @@ def _evolve(state: SessionState, body: ev.Event) -> None:
         case ev.ToolCallCommitted() | ev.ToolCallAborted():
             _verdict(state, body)
         case ev.ToolCallStarted():
-            if tool := _tool(state, body.call_id, "ToolCallStarted"):
+            if tool := _tool(state, body.call_id, body):
                 tool.status = ToolStatus.STARTED
                 tool.attempts = max(tool.attempts, body.attempt)
         case ev.ToolCallCompleted():
-            if tool := _tool(state, body.call_id, "ToolCallCompleted"):
+            if tool := _tool(state, body.call_id, body):
                 tool.status = ToolStatus.COMPLETED
                 tool.completed = body
         case ev.ToolCallFailed():
-            if tool := _tool(state, body.call_id, "ToolCallFailed"):
+            if tool := _tool(state, body.call_id, body):
                 tool.status = ToolStatus.FAILED
                 tool.failure = body
         case ev.ToolCallInDoubt():
-            if tool := _tool(state, body.call_id, "ToolCallInDoubt"):
+            if tool := _tool(state, body.call_id, body):
                 tool.status = ToolStatus.IN_DOUBT
                 tool.in_doubt = body
         case ev.ApprovalGiven():
-            if tool := _tool(state, body.call_id, "ApprovalGiven"):
+            if tool := _tool(state, body.call_id, body):
                 tool.approvals.append(body)
         case _:
             pass  # KV, cache, checkpoint and DLQ events do not change the program's state
 
 
-def _tool(state: SessionState, call_id: str, what: str) -> ToolCall | None:
+def _tool(state: SessionState, call_id: str, body: ev.Event) -> ToolCall | None:
     tool = state.tool_calls.get(call_id)
     if tool is None:
-        state.anomalies.append(f"{what} for unknown tool call {call_id}")
+        state.early.setdefault(call_id, []).append(body)  # applied when the proposal arrives
     return tool
 
 
 def _verdict(state: SessionState, body: ev.ToolCallCommitted | ev.ToolCallAborted) -> None:
-    tool = _tool(state, body.call_id, type(body).__name__)
+    tool = _tool(state, body.call_id, body)
     if tool is None:
         return
     tool.num_verdicts += 1

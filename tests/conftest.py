@@ -10,6 +10,7 @@ Postgres: ``AGENTLOG_PG_URL`` when set, else the embedded server (``embedded-pos
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,7 +62,10 @@ def pg_url(tmp_path_factory: pytest.TempPathFactory) -> str:
         return url
     from log.embedded import start_embedded
 
-    return start_embedded(Path(tmp_path_factory.mktemp("pg")) / "data")
+    # Not under pytest's 0700 temp root: the server runs as its own system user and must reach it.
+    root = Path(tempfile.mkdtemp(prefix="agentlog-test-pg-"))
+    root.chmod(0o755)
+    return start_embedded(root / "data")
 
 
 @pytest.fixture

@@ -216,3 +216,21 @@ def test_applying_the_same_event_twice_is_a_no_op() -> None:
 
 def test_prompt_digest_is_stable() -> None:
     assert prompt_digest(Prompt(text="a")) == prompt_digest(Prompt(text="a")) != prompt_digest(Prompt(text="b"))
+
+
+def test_a_verdict_read_before_its_proposal_is_applied_when_the_proposal_arrives() -> None:
+    proposal = ev.ToolCallProposed(
+        call_id="tool-1", tool="echo", arguments_json="{}", effect_class=ev.EffectClass.PURE, idempotency_key="k"
+    )
+    state = state_of(
+        [
+            *started(),
+            ev.ToolCallCommitted(call_id="tool-1", votes=[], policy="unanimous"),
+            ev.ApprovalGiven(call_id="tool-1", decision=ev.ApprovalDecision.APPROVE, author="a", reason="r"),
+        ]
+    )
+    assert "tool-1" not in state.tool_calls and len(state.early["tool-1"]) == 2
+    state.apply(envelope(proposal))
+    assert state.tool_calls["tool-1"].status.value == "committed"
+    assert len(state.tool_calls["tool-1"].approvals) == 1
+    assert state.early == {} and state.anomalies == []

@@ -1,0 +1,290 @@
+"""logctl commands for running agents: up, run, sessions, replay, approve, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from cli.sessions import SessionBook, read_sessions, replay_check, summarize
+from log import open_log
+from schemas import events as ev
+from services.programs import PROGRAMS
+
+LogUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--log-url", envvar="AGENTLOG_LOG_URL", help="kafka://host:port, postgresql://..., or empty for embedded"
+    ),
+]
+Json = Annotated[bool, typer.Option("--json", help="JSON for scripts instead of a table")]
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(up)
+    app.command()(run)
+    app.command()(sessions)
+    app.command()(replay)
+    app.command()(approve)
+    app.command()(cancel)
+
+
+def up(
+    log_url: LogUrl = None,
+    planners: Annotated[int, typer.Option(help="Planner processes (they split the partitions)")] = 1,
+    time_scale: Annotated[float, typer.Option(help="Multiply tool and engine waits (0.01 = 100x faster)")] = 1.0,
+    work_dir: Annotated[Path | None, typer.Option(help="Logs and engine state (default: the data dir)")] = None,
+) -> None:
+    """Start the engine and every worker as local processes; Ctrl-C stops them gracefully."""
+    from cli.stack import Stack
+    from log.embedded import data_dir
+
+    directory = work_dir or data_dir() / "stack"
+    stack = Stack(log_url, directory, time_scale=time_scale, num_planners=planners)
+    _ensure_topics(log_url)
+    stack.start()
+    for name, process in stack.processes.items():
+        typer.echo(f"{name:<10} pid {process.pid:<7} log {process.log_path}")
+    typer.echo(f"engine     {stack.engine_url}")
+    typer.echo("running; Ctrl-C to stop")
+    try:
+        while all(p.alive() for p in stack.processes.values()):
+            time.sleep(0.5)
+        dead = [n for n, p in stack.processes.items() if not p.alive()]
+        typer.echo(f"{', '.join(dead)} exited; stopping the rest", err=True)
+    except KeyboardInterrupt:
+        pass
+    codes = stack.stop()
+    typer.echo("stopped: " + ", ".join(f"{n}={c}" for n, c in codes.items()))
+
+
+def _ensure_topics(log_url: str | None, partitions: int = 4) -> None:
+    async def init() -> None:
+        log = open_log(log_url, actor="admin")
+        await log.backend.start()
+        try:
+            await log.backend.create_topics(partitions)
+        finally:
+            await log.backend.close()
+
+    asyncio.run(init())
+
+
+def run(
+    program: Annotated[str, typer.Argument(help="Program name (trace, react), or a trace file (.jsonl)")],
+    log_url: LogUrl = None,
+    sessions: Annotated[int, typer.Option("--sessions", "-n", help="How many sessions to start")] = 1,
+    args: Annotated[str, typer.Option(help="Program arguments as a JSON object")] = "{}",
+    prefix: Annotated[str, typer.Option(help="Session id prefix (default: a fresh run id)")] = "",
+    wait: Annotated[bool, typer.Option(help="Wait for the sessions and show progress")] = True,
+    timeout_s: Annotated[float, typer.Option("--timeout", help="Give up waiting after this many seconds")] = 600,
+    as_json: Json = False,
+) -> None:
+    """Start N sessions of a program or of a trace file's sessions (asks the planner via ops.commands)."""
+    requests = session_requests(program, sessions, json.loads(args), prefix or f"run-{uuid.uuid4().hex[:6]}")
+    book = asyncio.run(_run(log_url, requests, wait, timeout_s, quiet=as_json))
+    if as_json:
+        summary = summarize(book.records[s] for s, _, _ in requests if s in book.records)
+        typer.echo(json.dumps(summary.__dict__))
+
+
+def session_requests(
+    program: str, count: int, args: dict[str, Any], prefix: str
+) -> list[tuple[str, str, dict[str, Any]]]:
+    """(session id, program, args) for each session to start."""
+    if program.endswith(".jsonl"):
+        from services.traces.model import Trace
+
+        lines = Path(program).read_text().splitlines()
+        trace = Trace.from_json_lines(lines)
+        chosen = trace.sessions[:count]
+        return [(f"{prefix}-{s.session_id}", "trace", {"session": s.to_dict()}) for s in chosen]
+    if program not in PROGRAMS:
+        raise typer.BadParameter(f"unknown program {program!r}; programs are {', '.join(PROGRAMS)} or a .jsonl trace")
+    return [(f"{prefix}-{i:04d}", program, args) for i in range(count)]
+
+
+async def _run(
+    log_url: str | None,
+    requests: list[tuple[str, str, dict[str, Any]]],
+    wait: bool,
+    timeout_s: float,
+    *,
+    quiet: bool = False,
+    arrivals: list[float] | None = None,
+) -> SessionBook:
+    author = os.environ.get("USER", "operator")
+    async with open_log(log_url, actor="operator") as log:
+        started = time.monotonic()
+        for i, (session_id, program, args) in enumerate(requests):
+            if arrivals is not None:
+                delay = arrivals[i] - (time.monotonic() - started)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            await log.append(
+                session_id,
+                ev.SessionRequested(program=program, args_json=json.dumps(args), author=author),
+                event_id=f"request/{session_id}",
+            )
+        if not quiet:
+            typer.echo(f"requested {len(requests)} sessions ({requests[0][0]} ...)")
+        book = SessionBook()
+        if not wait:
+            return book
+        wanted = {s for s, _, _ in requests}
+        async with log.consumer(f"logctl-run-{uuid.uuid4().hex[:8]}", ["agent.actions"], from_beginning=True) as c:
+            deadline = time.monotonic() + timeout_s
+            last_report = 0.0
+            while time.monotonic() < deadline:
+                events = await c.poll(timeout_s=0.5, max_records=5000)
+                book.add_all(e for e in events if e.session_id in wanted)
+                done = sum(1 for s in wanted if s in book.records and book.records[s].state.finished)
+                if not quiet and (time.monotonic() - last_report > 2 or done == len(wanted)):
+                    llm = sum(len(r.state.llm_calls) for r in book.records.values())
+                    typer.echo(
+                        f"  {done}/{len(wanted)} sessions done, {llm} LLM calls, {time.monotonic() - started:.1f} s"
+                    )
+                    last_report = time.monotonic()
+                if done == len(wanted):
+                    break
+    # The full picture (verdicts and effects too) for the summary.
+    async with open_log(log_url, actor="auditor") as log:
+        full = await read_sessions(log, group=f"logctl-read-{uuid.uuid4().hex[:8]}")
+    for session_id in [s for s in full.records if s not in wanted]:
+        del full.records[session_id]
+    return full
+
+
+def sessions(
+    log_url: LogUrl = None,
+    limit: Annotated[int, typer.Option(help="Show at most this many (newest last)")] = 50,
+    as_json: Json = False,
+) -> None:
+    """A table of sessions and their state."""
+
+    async def read() -> SessionBook:
+        async with open_log(log_url, actor="auditor") as log:
+            return await read_sessions(log, group=f"logctl-sessions-{uuid.uuid4().hex[:8]}")
+
+    book = asyncio.run(read())
+    records = sorted(book.records.values(), key=lambda r: r.requested_at or r.last_event_at or 0)[-limit:]
+    if as_json:
+        typer.echo(
+            json.dumps(
+                [
+                    {
+                        "session_id": r.state.session_id,
+                        "program": r.state.program,
+                        "status": r.state.status.value if r.state.status else None,
+                        "llm_calls": len(r.state.llm_calls),
+                        "tool_calls": len(r.state.tool_calls),
+                        "events": r.state.num_events,
+                        "job_time_s": r.job_time_s,
+                        "in_doubt": [c for c, t in r.state.tool_calls.items() if t.status.value == "in_doubt"],
+                    }
+                    for r in records
+                ]
+            )
+        )
+        return
+    typer.echo(
+        f"{'session':<36} {'program':<8} {'status':<10} {'llm':>4} {'tools':>5} {'events':>6} {'job s':>7}  notes"
+    )
+    for r in records:
+        s = r.state
+        doubt = [c for c, t in s.tool_calls.items() if t.status.value == "in_doubt"]
+        held = [c for c, t in s.tool_calls.items() if t.status.value == "proposed"]
+        notes = ("in doubt: " + ",".join(doubt) if doubt else "") + (" waiting: " + ",".join(held) if held else "")
+        job = f"{r.job_time_s:.2f}" if r.job_time_s is not None else "-"
+        status = s.status.value if s.status else "?"
+        typer.echo(
+            f"{s.session_id[:36]:<36} {s.program[:8]:<8} {status:<10} {len(s.llm_calls):>4} "
+            f"{len(s.tool_calls):>5} {s.num_events:>6} {job:>7}  {notes.strip()}"
+        )
+
+
+def replay(
+    session_id: Annotated[str, typer.Argument(help="The session to show")],
+    log_url: LogUrl = None,
+    check: Annotated[bool, typer.Option("--check", help="Re-run the program on the recorded results")] = False,
+    as_json: Json = False,
+) -> None:
+    """A session's timeline across topics; --check re-folds it and reports any nondeterminism."""
+    from cli.render import event_line, event_to_json
+    from services.session import fold
+
+    async def read() -> list[Any]:
+        async with open_log(log_url, actor="auditor") as log:
+            return await log.history(session_id)
+
+    events = asyncio.run(read())
+    if not events:
+        typer.echo(f"no events for session {session_id}", err=True)
+        raise typer.Exit(1)
+    problems = replay_check(fold(session_id, [e.envelope for e in events])) if check else []
+    if as_json:
+        typer.echo(json.dumps({"events": [event_to_json(e) for e in events], "problems": problems}))
+    else:
+        for event in events:
+            typer.echo(event_line(event))
+        if check:
+            typer.echo("replay check: " + ("deterministic, matches the log" if not problems else "PROBLEMS"))
+            for problem in problems:
+                typer.echo(f"  {problem}")
+    if problems:
+        raise typer.Exit(2)
+
+
+def approve(
+    session_id: Annotated[str, typer.Argument()],
+    call_id: Annotated[str, typer.Argument(help="The tool call, e.g. tool-3")],
+    log_url: LogUrl = None,
+    deny: Annotated[bool, typer.Option("--deny", help="Refuse the call")] = False,
+    retry: Annotated[bool, typer.Option("--retry", help="In-doubt call: run it again")] = False,
+    mark_done: Annotated[bool, typer.Option("--mark-done", help="In-doubt call: it did happen; do not run it")] = False,
+    reason: Annotated[str, typer.Option(help="Why (kept in the log)")] = "",
+    author: Annotated[str, typer.Option(help="Who decides (default: $USER)")] = "",
+) -> None:
+    """Approve (or --deny) a held tool call; resolve an in-doubt one with --retry or --mark-done."""
+    if sum((deny, retry, mark_done)) > 1:
+        raise typer.BadParameter("choose one of --deny, --retry, --mark-done")
+    decision = (
+        ev.ApprovalDecision.DENY
+        if deny
+        else ev.ApprovalDecision.RETRY
+        if retry
+        else ev.ApprovalDecision.MARK_DONE
+        if mark_done
+        else ev.ApprovalDecision.APPROVE
+    )
+    body = ev.ApprovalGiven(
+        call_id=call_id, decision=decision, author=author or os.environ.get("USER", "operator"), reason=reason
+    )
+
+    async def send() -> None:
+        async with open_log(log_url, actor="operator") as log:
+            position = await log.append(session_id, body)
+            typer.echo(f"{decision.value} {session_id} {call_id} by {body.author} at {position}")
+
+    asyncio.run(send())
+
+
+def cancel(
+    session_id: Annotated[str, typer.Argument()],
+    log_url: LogUrl = None,
+    reason: Annotated[str, typer.Option(help="Why (kept in the log)")] = "cancelled by an operator",
+) -> None:
+    """Ask the planner to stop a session."""
+
+    async def send() -> None:
+        async with open_log(log_url, actor="operator") as log:
+            await log.append(session_id, ev.CancelRequested(author=os.environ.get("USER", "operator"), reason=reason))
+
+    asyncio.run(send())
+    typer.echo(f"cancel requested for {session_id}")

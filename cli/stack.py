@@ -1,0 +1,160 @@
+"""Start and stop the whole stack as local processes: engine, planner(s), decider, executor.
+
+Every process is a plain ``python -m workers.<role>`` child with the log URL in
+its environment, so ``kill -9`` of any of them is exactly what a crash is.
+``Stack`` is used by ``logctl up``, ``logctl demo`` and the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Process:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Process:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = self.log_path.open("ab")
+        self.popen = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        out.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no cleanup."""
+        if self.alive():
+            assert self.popen is not None
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait()
+
+    def stop(self, timeout_s: float = 20) -> int | None:
+        """SIGTERM, then wait (graceful shutdown drains in-flight work); SIGKILL if it hangs."""
+        if self.popen is None:
+            return None
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+@dataclass
+class Stack:
+    """The processes of one local deployment."""
+
+    log_url: str | None
+    work_dir: Path
+    time_scale: float = 1.0
+    num_planners: int = 1
+    engine_port: int = 0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    processes: dict[str, Process] = field(default_factory=dict)
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.log_url:
+            env["AGENTLOG_LOG_URL"] = self.log_url
+        env["AGENTLOG_TIME_SCALE"] = str(self.time_scale)
+        env.update(self.extra_env)
+        env.update(extra or {})
+        return env
+
+    @property
+    def engine_url(self) -> str:
+        return f"http://127.0.0.1:{self.engine_port}"
+
+    def _process(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None) -> Process:
+        return Process(
+            name, [sys.executable, "-m", module, *args], self.env(env), self.work_dir / "logs" / f"{name}.log"
+        )
+
+    def start(self, *, wait_s: float = 60) -> Stack:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.engine_port = self.engine_port or free_port()
+        self.start_process("engine")
+        self.wait_for_engine(wait_s)
+        for role in ("decider", "executor"):
+            self.start_process(role)
+        for i in range(self.num_planners):
+            self.start_process(f"planner-{i}")
+        return self
+
+    def start_process(self, name: str, env: dict[str, str] | None = None) -> Process:
+        """Start (or restart) one process of the stack by name: engine, decider, executor, planner-N."""
+        if name == "engine":
+            args = ["--port", str(self.engine_port), "--state-dir", str(self.work_dir / "engine")]
+            process = self._process(name, "workers.engines.sim_server", args, env)
+        elif name.startswith("planner"):
+            process = self._process(name, "workers.planner", ["--engine-url", self.engine_url], env)
+        elif name == "executor":
+            process = self._process(name, "workers.executor", ["--sandbox", str(self.work_dir / "sandbox")], env)
+        else:
+            process = self._process(name, f"workers.{name}", [], env)
+        self.processes[name] = process.start()
+        return process
+
+    def wait_for_engine(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.engine_url}/health", timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            engine = self.processes["engine"]
+            if not engine.alive():
+                raise RuntimeError(f"the engine exited:\n{engine.log_tail()}")
+            time.sleep(0.1)
+        raise TimeoutError(f"the engine did not answer on {self.engine_url} within {wait_s:g} s")
+
+    def stop(self) -> dict[str, int | None]:
+        """Stop everything gracefully (workers first, the engine last); returns exit codes."""
+        codes = {}
+        for name in [n for n in self.processes if n != "engine"] + ["engine"]:
+            if name in self.processes:
+                codes[name] = self.processes[name].stop()
+        return codes
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,44 @@
+"""The one interface the planner uses to reach an inference engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.programs.base import Prompt
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What an engine answered, with the numbers the log records."""
+
+    request_id: str
+    engine_id: str
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    finish_reason: str
+    queue_ms: float
+    prefill_ms: float
+    decode_ms: float
+    replayed: bool = False
+    """True when the engine answered from its record of this request id instead of running it again."""
+
+
+class EngineError(Exception):
+    """The engine refused the request (bad prompt, too long, ...): retrying will not help."""
+
+
+class EngineUnavailable(Exception):
+    """The engine could not be reached or is overloaded: retry later."""
+
+
+class Engine(Protocol):
+    engine_id: str
+
+    async def complete(self, *, session_id: str, request_id: str, prompt: Prompt, max_output_tokens: int) -> Completion:
+        """Run one LLM call. ``request_id`` is the same on every retry of the same call."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,75 @@
+"""An engine reached over HTTP with vLLM's OpenAI-compatible completions API.
+
+The request is ``POST {base_url}/v1/completions`` with the usual fields
+(``model``, ``prompt``, ``max_tokens``) plus ``request_id`` and ``session_id``
+(and, for token-run prompts, ``prompt_runs``), and the answer the usual
+``choices[0].text`` and ``usage`` (``prompt_tokens_details.cached_tokens``).
+agentlog's simulated engine serves the same API (``workers.engines.sim_server``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import aiohttp
+
+from services.programs.base import Prompt
+from workers.engines.base import Completion, EngineError, EngineUnavailable
+
+
+class HttpEngine:
+    def __init__(self, base_url: str, *, engine_id: str = "", model: str = "sim", timeout_s: float = 600) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.engine_id = engine_id or base_url
+        self.model = model
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def complete(self, *, session_id: str, request_id: str, prompt: Prompt, max_output_tokens: int) -> Completion:
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": max_output_tokens,
+            "request_id": request_id,
+            "session_id": session_id,
+        }
+        if prompt.text is not None:
+            payload["prompt"] = prompt.text
+        else:
+            payload["prompt_runs"] = prompt.to_json()["runs"]
+        began = time.monotonic()
+        try:
+            client = await self._client()
+            async with client.post(f"{self.base_url}/v1/completions", json=payload) as response:
+                body = await response.json(content_type=None)
+                if response.status >= 500 or response.status == 429:
+                    raise EngineUnavailable(f"engine {self.engine_id} answered {response.status}: {body}")
+                if response.status >= 400:
+                    raise EngineError(f"engine {self.engine_id} refused {request_id}: {body}")
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
+            raise EngineUnavailable(f"engine {self.engine_id} unreachable: {e}") from e
+        usage = body.get("usage", {})
+        timing = body.get("agentlog", {})
+        total_ms = (time.monotonic() - began) * 1000
+        return Completion(
+            request_id=request_id,
+            engine_id=self.engine_id,
+            text=body["choices"][0]["text"],
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+            output_tokens=int(usage.get("completion_tokens", 0)),
+            finish_reason=str(body["choices"][0].get("finish_reason") or "stop"),
+            queue_ms=float(timing.get("queue_ms", 0.0)),
+            prefill_ms=float(timing.get("prefill_ms", total_ms)),
+            decode_ms=float(timing.get("decode_ms", 0.0)),
+            replayed=bool(timing.get("replayed", False)),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()

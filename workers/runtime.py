@@ -1,0 +1,181 @@
+"""The loop every role runs: consume -> fold -> act, over the sessions of its partitions.
+
+A worker is a member of its role's consumer group. For each partition it is
+assigned, it first *replays* the partition of every topic it reads, from
+offset 0 up to the end offsets seen at assignment time, folding the events
+into per-session state without acting. Once a partition has caught up, the
+worker *resumes* each of its sessions (the residual work: what the log says
+was started and never finished) and from then on acts on each new event.
+That is the whole recovery story: a restarted or replacement worker rebuilds
+its state from the log and continues; every append it makes uses a
+deterministic event id, so redoing an append is a no-op.
+
+Subclasses implement ``resume(state)`` and ``on_event(state, event)``; both
+run in the worker's task and may append. ``run()`` returns after
+``shutdown()`` once in-flight work is drained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import uuid
+from collections.abc import Coroutine, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from log import LoggedEvent, SharedLog
+from schemas.envelope import Envelope
+from schemas.events import Event
+from services.session import SessionState
+
+_log = logging.getLogger(__name__)
+
+EVENT_ID_NAMESPACE = uuid.UUID("6f1c2d4e-8a57-4d0b-9a33-5b1e0c7f2a10")
+
+
+def event_id(session_id: str, kind: str, key: str = "") -> str:
+    """A deterministic event id: the same logical event always gets the same id."""
+    return str(uuid.uuid5(EVENT_ID_NAMESPACE, f"{session_id}/{kind}/{key}"))
+
+
+class SessionWorker:
+    """Base class of the role workers (planner, decider, executor)."""
+
+    role = "worker"
+    topics: Sequence[str] = ()
+
+    def __init__(self, log: SharedLog, *, group: str | None = None, poll_timeout_s: float = 0.5) -> None:
+        self.log = log
+        self.group = group or self.role
+        self.poll_timeout_s = poll_timeout_s
+        self.sessions: dict[str, SessionState] = {}
+        self._boundary: dict[tuple[str, int], int] = {}  # replay target per (topic, partition)
+        self._ready: set[int] = set()  # partitions caught up and acted on
+        self._owned: set[int] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stopping = asyncio.Event()
+        self.num_events = 0
+
+    # ------------------------------------------------------------- for roles
+
+    async def resume(self, state: SessionState) -> None:
+        """Called once per session when its partition has caught up (after a start or a takeover)."""
+
+    async def on_event(self, state: SessionState, event: LoggedEvent) -> None:
+        """Called for each new event of a session in a caught-up partition (after it was folded)."""
+
+    async def on_partition_lost(self, partition: int) -> None:
+        """Called when a partition moves to another member; its sessions are forgotten."""
+
+    # ------------------------------------------------------ process plumbing
+
+    @staticmethod
+    def add_arguments(parser: Any) -> None:
+        """Role-specific command line options (see workers/main.py)."""
+
+    @classmethod
+    async def create(cls, log: SharedLog, args: Any) -> SessionWorker:
+        """Build the worker from parsed options."""
+        return cls(log, group=args.group)
+
+    async def close(self) -> None:
+        """Release what ``create`` opened."""
+
+    # ---------------------------------------------------------------- helpers
+
+    def state(self, session_id: str) -> SessionState:
+        state = self.sessions.get(session_id)
+        if state is None:
+            state = self.sessions[session_id] = SessionState(session_id)
+        return state
+
+    async def append(self, session_id: str, body: Event, *, kind: str, key: str = "", cause: str | None = None) -> None:
+        """Append with a deterministic event id and fold the event into our state at once."""
+        eid = event_id(session_id, kind, key)
+        await self.log.append(session_id, body, event_id=eid, causation_id=cause)
+        # Fold our own write now; reading it back later is a no-op (same event id).
+        self.state(session_id).apply(
+            Envelope.model_construct(
+                event_id=eid,
+                session_id=session_id,
+                seq=-1,
+                actor=self.log.actor,
+                occurred_at=datetime.now(UTC),
+                causation_id=cause,
+                prev_hash=b"",
+                body=body,
+                hash=b"",
+            )
+        )
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background; ``run()`` waits for it before returning."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            _log.error("%s task failed", self.role, exc_info=task.exception())
+
+    # -------------------------------------------------------------------- loop
+
+    def shutdown(self) -> None:
+        """Ask ``run()`` to stop polling, drain in-flight work and return."""
+        self._stopping.set()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.shutdown)
+
+    async def run(self) -> None:
+        consumer = await self.log.consumer(self.group, list(self.topics), from_beginning=True).start()
+        try:
+            while not self._stopping.is_set():
+                events = await consumer.poll(timeout_s=self.poll_timeout_s)
+                await self._track_assignment(consumer.assignment())
+                for event in events:
+                    await self._handle(event)
+                await self._promote_caught_up(consumer)
+                await consumer.commit()
+            if self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        finally:
+            await consumer.close()
+
+    async def _track_assignment(self, assignment: set[tuple[str, int]]) -> None:
+        owned = {p for _, p in assignment}
+        for partition in sorted(owned - self._owned):
+            for topic in self.topics:
+                self._boundary[(topic, partition)] = (await self.log.end_offsets(topic)).get(partition, 0)
+        for partition in sorted(self._owned - owned):
+            self._ready.discard(partition)
+            for key in [k for k in self._boundary if k[1] == partition]:
+                del self._boundary[key]
+            for session_id in [s for s in self.sessions if self.log.partition_for(s) == partition]:
+                del self.sessions[session_id]
+            await self.on_partition_lost(partition)
+            _log.info("%s: partition %d moved away", self.role, partition)
+        self._owned = owned
+
+    async def _handle(self, event: LoggedEvent) -> None:
+        self.num_events += 1
+        state = self.state(event.session_id)
+        if not state.apply(event.envelope):
+            return  # our own append, already folded
+        if event.position.partition in self._ready:
+            await self.on_event(state, event)
+
+    async def _promote_caught_up(self, consumer: Any) -> None:
+        for partition in sorted(self._owned - self._ready):
+            if all(consumer.position(t, partition) >= self._boundary.get((t, partition), 0) for t in self.topics):
+                self._ready.add(partition)
+                sessions = [s for s in self.sessions.values() if self.log.partition_for(s.session_id) == partition]
+                _log.info("%s: partition %d caught up (%d sessions)", self.role, partition, len(sessions))
+                for state in sessions:
+                    await self.resume(state)
