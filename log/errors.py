@@ -75,6 +75,18 @@ class KeyMismatch(IntegrityError):
     """The record's key is not its session_id."""
 
 
+class ProtocolViolation(RecordError):
+    """The record is sound on the wire but breaks the protocol between roles (found by a worker)."""
+
+
+class UnknownSession(ProtocolViolation):
+    """An event for a session that was never requested or started."""
+
+
+class DuplicateVerdict(ProtocolViolation):
+    """A second verdict for a tool call that already has one; the first one stands."""
+
+
 # ----------------------------------------------------------------- callers
 
 

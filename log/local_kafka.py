@@ -239,15 +239,9 @@ class LocalKafkaBroker:
         # Kafka's own id format (Uuid.toString): 22 chars of unpadded url-safe base64.
         # Made here to save a JVM start for `StorageTool random-uuid`.
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-        cmd = [
-            *java,
-            "kafka.tools.StorageTool",
-            "format",
-            "-t",
-            cluster_id,
-            "-c",
-            str(config),
-        ]
+        # "--cluster-id=ID" in one argument: one id in 64 starts with "-", which a separate
+        # argument would be parsed as an option.
+        cmd = [*java, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "-c", str(config)]
         try:
             result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired as e:

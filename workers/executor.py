@@ -45,6 +45,7 @@ _log = logging.getLogger(__name__)
 class ExecutorWorker(SessionWorker):
     role = "executor"
     topics = ("agent.verdicts", "agent.actions", "agent.effects", "ops.commands")
+    reports_duplicate_verdicts = True
 
     def __init__(
         self,

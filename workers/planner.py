@@ -51,6 +51,7 @@ ENGINE_RETRY_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 class PlannerWorker(SessionWorker):
     role = "planner"
     topics = ("agent.actions", "agent.verdicts", "agent.effects", "ops.commands")
+    reports_unknown_sessions = True
 
     def __init__(
         self,
@@ -86,8 +87,7 @@ class PlannerWorker(SessionWorker):
         self.kick(state.session_id)
 
     async def on_event(self, state: SessionState, event: LoggedEvent) -> None:
-        if not isinstance(event.body, ev.KVBlocksStored | ev.KVBlocksRemoved | ev.CacheDecisionMade):
-            self.kick(state.session_id)
+        self.kick(state.session_id)
 
     async def on_partition_lost(self, partition: int) -> None:
         for session_id in [s for s in self._driving if self.log.partition_for(s) == partition]:

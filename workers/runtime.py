@@ -25,9 +25,9 @@ from collections.abc import Coroutine, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from log import LoggedEvent, SharedLog
+from log import DuplicateVerdict, LoggedEvent, RecordError, SharedLog, UnknownSession
 from schemas.envelope import Envelope
-from schemas.events import Event
+from schemas.events import Event, SessionRequested
 from services.session import SessionState
 
 _log = logging.getLogger(__name__)
@@ -45,6 +45,10 @@ class SessionWorker:
 
     role = "worker"
     topics: Sequence[str] = ()
+    reports_duplicate_verdicts = False
+    """Dead-letter a second verdict for a call (the role that acts on verdicts does it, once)."""
+    reports_unknown_sessions = False
+    """Dead-letter events of sessions nobody requested (the role that starts sessions does it)."""
 
     def __init__(self, log: SharedLog, *, group: str | None = None, poll_timeout_s: float = 0.5) -> None:
         self.log = log
@@ -56,6 +60,7 @@ class SessionWorker:
         self._owned: set[int] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = asyncio.Event()
+        self._orphans: dict[str, list[LoggedEvent]] = {}  # events of sessions not (yet) requested
         self.num_events = 0
 
     # ------------------------------------------------------------- for roles
@@ -166,10 +171,39 @@ class SessionWorker:
     async def _handle(self, event: LoggedEvent) -> None:
         self.num_events += 1
         state = self.state(event.session_id)
+        num_anomalies = len(state.anomalies)
         if not state.apply(event.envelope):
             return  # our own append, already folded
+        if self.reports_duplicate_verdicts and len(state.anomalies) > num_anomalies:
+            await self.dead_letter(event, DuplicateVerdict(f"{event.position}: {state.anomalies[-1]}"))
+            return
+        if self.reports_unknown_sessions and state.status is None and not isinstance(event.body, SessionRequested):
+            # While replaying, the request may still come on another topic: judge at catch-up.
+            self._orphans.setdefault(state.session_id, []).append(event)
+            if event.position.partition in self._ready:
+                await self._report_orphans(state)
+            return
         if event.position.partition in self._ready:
             await self.on_event(state, event)
+
+    async def _report_orphans(self, state: SessionState) -> None:
+        """Everything about a session follows its request: events of a session that was never
+        requested, once the partition is read, are dead-lettered and forgotten."""
+        events = self._orphans.pop(state.session_id, [])
+        if state.status is not None:
+            return
+        for event in events:
+            await self.dead_letter(
+                event, UnknownSession(f"{event.position}: no session {state.session_id} was requested")
+            )
+        self.sessions.pop(state.session_id, None)
+
+    async def dead_letter(self, event: LoggedEvent, error: RecordError) -> None:
+        """Set aside an event that breaks the protocol: it goes to agent.dlq with the reason."""
+        position = event.position
+        async for record in self.log.scan(position.topic, position.partition, position.offset, position.offset + 1):
+            await self.log.dead_letter(record, error, self.group)
+        _log.warning("%s dead-lettered %s: %s", self.role, position, error)
 
     async def _promote_caught_up(self, consumer: Any) -> None:
         for partition in sorted(self._owned - self._ready):
@@ -178,4 +212,7 @@ class SessionWorker:
                 sessions = [s for s in self.sessions.values() if self.log.partition_for(s.session_id) == partition]
                 _log.info("%s: partition %d caught up (%d sessions)", self.role, partition, len(sessions))
                 for state in sessions:
-                    await self.resume(state)
+                    if state.session_id in self._orphans:
+                        await self._report_orphans(state)
+                    if state.status is not None:
+                        await self.resume(state)

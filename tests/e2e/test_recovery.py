@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -212,3 +213,43 @@ def _ensure_topics_in(scenario: Scenario) -> None:
             del os.environ["AGENTLOG_NAMESPACE"]
         else:
             os.environ["AGENTLOG_NAMESPACE"] = previous
+
+
+def test_two_planners_split_partitions_and_a_dead_ones_sessions_move(
+    kafka_bootstrap: str, namespace: str, pg_url: str, tmp_path: Path
+) -> None:
+    scenario = Scenario(kafka_bootstrap, namespace, pg_url, tmp_path)
+    scenario.sessions = [f"split{i}-{uuid.uuid4().hex[:4]}" for i in range(8)]
+    _ensure_topics_in(scenario)
+    stack = scenario.stack
+    from cli.stack import free_port
+
+    stack.engine_port = free_port()
+    stack.work_dir.mkdir(parents=True, exist_ok=True)
+    stack.start_process("engine")
+    stack.wait_for_engine(30)
+    for name in ("decider", "executor", "planner-0", "planner-1"):
+        stack.start_process(name)
+    try:
+        # Both planners own partitions before any session starts.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            logs = [stack.processes[p].log_path.read_text(errors="replace") for p in ("planner-0", "planner-1")]
+            if all("caught up" in text for text in logs):
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError("the two planners did not both get partitions")
+        asyncio.run(scenario.request_all())
+        time.sleep(2.0)
+        stack.processes["planner-1"].kill()  # its partitions must move to planner-0
+        del stack.processes["planner-1"]  # and it is not restarted
+        book, _ = scenario.drive()
+        assert all(book.records[s].state.status.value == "finished" for s in scenario.sessions)
+        taken = stack.processes["planner-0"].log_path.read_text(errors="replace")
+        assert {f"partition {p} caught up" in taken for p in range(4)} == {True}
+        assert scenario.engine_stats()["num_served"] == sum(
+            len(book.records[s].state.llm_calls) for s in scenario.sessions
+        )
+    finally:
+        stack.stop()
