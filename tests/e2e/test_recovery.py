@@ -149,6 +149,8 @@ class Scenario:
 
 
 CRASH_POINTS = [
+    ("engine", "engine.before_record:3"),
+    ("engine", "engine.after_record:5"),
     ("planner-0", "planner.after_llm_started:2"),
     ("planner-0", "planner.after_engine:3"),
     ("planner-0", "planner.after_llm_completed:4"),
@@ -178,6 +180,10 @@ def test_kill_anywhere_and_complete_exactly_once(
     stack.engine_port = free_port()
     stack.start_process("engine")
     stack.wait_for_engine(30)
+    if victim == "engine":
+        stack.processes["engine"].stop()
+        stack.start_process("engine", {"AGENTLOG_CRASH_AT": crash_at})
+        stack.wait_for_engine(30)
     for name in ("decider", "executor", "planner-0"):
         stack.start_process(name, {"AGENTLOG_CRASH_AT": crash_at} if name == victim else None)
     try:

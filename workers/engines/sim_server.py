@@ -19,6 +19,9 @@ record is a file, so this survives an engine restart. The planner retries an
 LLM call under the same request id after a crash; this is how "a recorded LLM
 output is never requested again" extends to "an LLM call is never computed
 twice", and ``/stats`` counts both.
+
+Crash points (workers/crash.py): ``engine.before_record`` (computed, not
+recorded) and ``engine.after_record`` (recorded, not answered).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from services.engine.cost import CostModel
 from services.engine.kv_cache import KVEvent, PagedKVCache
 from services.engine.sim import SimEngine
 from services.programs.base import Prompt, TokenRun, output_run
+from workers.crash import crash_point
 
 _log = logging.getLogger(__name__)
 
@@ -143,12 +147,14 @@ class SimServer:
                 "replayed": False,
             },
         }
+        crash_point("engine.before_record")  # computed, not recorded: a retry computes it again
         self.served[request_id] = response
         self.num_served += 1
         with self.record_path.open("a") as f:
             f.write(json.dumps({"request_id": request_id, "response": response}) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        crash_point("engine.after_record")  # recorded, not answered: a retry is answered from the record
         return web.json_response(response)
 
     async def stats(self, _request: web.Request) -> web.Response:
