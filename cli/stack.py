@@ -101,6 +101,8 @@ class Stack:
         return f"http://127.0.0.1:{self.engine_port}"
 
     def _process(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None) -> Process:
+        # The process name is its stable member id: a restarted planner-0 is planner-0 again.
+        env = {"AGENTLOG_INSTANCE_ID": name, **(env or {})}
         return Process(
             name, [sys.executable, "-m", module, *args], self.env(env), self.work_dir / "logs" / f"{name}.log"
         )

@@ -97,8 +97,14 @@ class Backend(ABC):
         """Per partition, the offset the next record will get."""
 
     @abstractmethod
-    async def subscribe(self, group: str, topics: Sequence[str], *, from_beginning: bool) -> Subscription:
+    async def subscribe(
+        self, group: str, topics: Sequence[str], *, from_beginning: bool, instance_id: str | None = None
+    ) -> Subscription:
         """Join consumer group ``group``.
+
+        ``instance_id`` names a member that restarts under the same name (a static
+        member): its replacement takes its partitions back at once instead of
+        waiting for the dead member's session to time out.
 
         A partition newly assigned to this member starts at its committed offset, or at 0 with
         ``from_beginning`` (so a worker that takes a partition over re-reads all of it).

@@ -32,13 +32,22 @@ class EventConsumer:
     effect of an event is durable, and a restart resumes right after it.
     """
 
-    def __init__(self, log: SharedLog, group: str, topics: Sequence[str], *, from_beginning: bool) -> None:
+    def __init__(
+        self,
+        log: SharedLog,
+        group: str,
+        topics: Sequence[str],
+        *,
+        from_beginning: bool,
+        instance_id: str | None = None,
+    ) -> None:
         for name in topics:
             topic_table.topic(name)  # fail early on a typo
         self.log = log
         self.group = group
         self.topics = tuple(topics)
         self.from_beginning = from_beginning
+        self.instance_id = instance_id
         self.stats = ConsumerStats()
         self._subscription: Subscription | None = None
         self._verifier = ChainVerifier()
@@ -47,7 +56,7 @@ class EventConsumer:
 
     async def start(self) -> EventConsumer:
         self._subscription = await self.log.backend.subscribe(
-            self.group, self.topics, from_beginning=self.from_beginning
+            self.group, self.topics, from_beginning=self.from_beginning, instance_id=self.instance_id
         )
         return self
 

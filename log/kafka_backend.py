@@ -259,8 +259,10 @@ class KafkaBackend(Backend):
             self._scanners.append(scanner)
         return {tp.partition: offset for tp, offset in ends.items()}
 
-    async def subscribe(self, group: str, topics: Sequence[str], *, from_beginning: bool) -> Subscription:
-        subscription = KafkaSubscription(self, group, topics, from_beginning=from_beginning)
+    async def subscribe(
+        self, group: str, topics: Sequence[str], *, from_beginning: bool, instance_id: str | None = None
+    ) -> Subscription:
+        subscription = KafkaSubscription(self, group, topics, from_beginning=from_beginning, instance_id=instance_id)
         await asyncio.to_thread(subscription.join)
         return subscription
 
@@ -268,9 +270,18 @@ class KafkaBackend(Backend):
 class KafkaSubscription(Subscription, ConsumerRebalanceListener):  # type: ignore[misc]
     """A kafka-python group consumer; the broker's group coordinator assigns partitions."""
 
-    def __init__(self, backend: KafkaBackend, group: str, topics: Sequence[str], *, from_beginning: bool) -> None:
+    def __init__(
+        self,
+        backend: KafkaBackend,
+        group: str,
+        topics: Sequence[str],
+        *,
+        from_beginning: bool,
+        instance_id: str | None = None,
+    ) -> None:
         self.backend = backend
         self.group = group
+        self.instance_id = instance_id
         self.topics = tuple(topics)
         self.from_beginning = from_beginning
         self._held: set[tuple[str, int]] = set()
@@ -280,8 +291,14 @@ class KafkaSubscription(Subscription, ConsumerRebalanceListener):  # type: ignor
         # A new group with no committed offset starts at the beginning: an event log is read whole.
         # A member that dies (kill -9) keeps its partitions until its session times out:
         # kafka-python's default is 45 s; 6 s (the broker's minimum) hands them over sooner.
+        # Groups live in the namespace, like topics: logs sharing a cluster never share a group.
+        # A static member (instance id) that restarts takes its partitions back at once.
         self._consumer = self.backend._consumer(
-            group_id=self.group, auto_offset_reset="earliest", session_timeout_ms=6000, heartbeat_interval_ms=1000
+            group_id=self.backend.physical(self.group),
+            group_instance_id=self.instance_id,
+            auto_offset_reset="earliest",
+            session_timeout_ms=6000,
+            heartbeat_interval_ms=1000,
         )
         self._consumer.subscribe([self.backend.physical(t) for t in self.topics], listener=self)
 

@@ -232,8 +232,14 @@ class PostgresBackend(Backend):
         rows = await self.pool.fetch("SELECT partition, next_offset FROM log_heads WHERE topic = $1", topic)
         return {row[0]: row[1] for row in rows}
 
-    async def subscribe(self, group: str, topics: Sequence[str], *, from_beginning: bool) -> Subscription:
+    async def subscribe(
+        self, group: str, topics: Sequence[str], *, from_beginning: bool, instance_id: str | None = None
+    ) -> Subscription:
+        # A dead member's advisory locks go with its connection, so a restart needs no
+        # static identity here; the instance id only names the member.
         subscription = PostgresSubscription(self, group, topics, from_beginning=from_beginning)
+        if instance_id:
+            subscription.member_id = f"{instance_id}-{subscription.member_id}"
         await subscription.join()
         return subscription
 

@@ -73,7 +73,14 @@ class ExecutorWorker(SessionWorker):
     async def create(cls, log: SharedLog, args: argparse.Namespace) -> ExecutorWorker:
         ledger_url = args.ledger_url or _default_ledger_url()
         ledger = await Ledger(ledger_url).start()
-        return cls(log, group=args.group, ledger=ledger, sandbox=args.sandbox, time_scale=args.time_scale)
+        return cls(
+            log,
+            group=args.group,
+            instance_id=args.instance_id,
+            ledger=ledger,
+            sandbox=args.sandbox,
+            time_scale=args.time_scale,
+        )
 
     async def close(self) -> None:
         if self.ledger is not None:

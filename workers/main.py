@@ -30,6 +30,11 @@ def run_worker(worker_class: Any, argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m workers.{worker_class.role.replace('-', '_')}")
     parser.add_argument("--log-url", default=os.environ.get("AGENTLOG_LOG_URL"), help="default: embedded Postgres")
     parser.add_argument("--group", default=None, help=f"consumer group (default: {worker_class.role})")
+    parser.add_argument(
+        "--instance-id",
+        default=os.environ.get("AGENTLOG_INSTANCE_ID"),
+        help="stable name of this member across restarts (its replacement takes its partitions back at once)",
+    )
     parser.add_argument("--log-level", default=os.environ.get("AGENTLOG_LOG_LEVEL", "INFO"))
     worker_class.add_arguments(parser)
     args = parser.parse_args(argv)

@@ -78,7 +78,8 @@ class PlannerWorker(SessionWorker):
 
     @classmethod
     async def create(cls, log: SharedLog, args: argparse.Namespace) -> PlannerWorker:
-        return cls(log, group=args.group, engine=HttpEngine(args.engine_url, engine_id=args.engine_id))
+        engine = HttpEngine(args.engine_url, engine_id=args.engine_id)
+        return cls(log, group=args.group, instance_id=args.instance_id, engine=engine)
 
     async def close(self) -> None:
         await self.engine.close()

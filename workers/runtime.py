@@ -50,9 +50,17 @@ class SessionWorker:
     reports_unknown_sessions = False
     """Dead-letter events of sessions nobody requested (the role that starts sessions does it)."""
 
-    def __init__(self, log: SharedLog, *, group: str | None = None, poll_timeout_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        log: SharedLog,
+        *,
+        group: str | None = None,
+        instance_id: str | None = None,
+        poll_timeout_s: float = 0.5,
+    ) -> None:
         self.log = log
         self.group = group or self.role
+        self.instance_id = instance_id
         self.poll_timeout_s = poll_timeout_s
         self.sessions: dict[str, SessionState] = {}
         self._boundary: dict[tuple[str, int], int] = {}  # replay target per (topic, partition)
@@ -83,7 +91,7 @@ class SessionWorker:
     @classmethod
     async def create(cls, log: SharedLog, args: Any) -> SessionWorker:
         """Build the worker from parsed options."""
-        return cls(log, group=args.group)
+        return cls(log, group=args.group, instance_id=args.instance_id)
 
     async def close(self) -> None:
         """Release what ``create`` opened."""
@@ -139,7 +147,9 @@ class SessionWorker:
             loop.add_signal_handler(sig, self.shutdown)
 
     async def run(self) -> None:
-        consumer = await self.log.consumer(self.group, list(self.topics), from_beginning=True).start()
+        consumer = await self.log.consumer(
+            self.group, list(self.topics), from_beginning=True, instance_id=self.instance_id
+        ).start()
         try:
             while not self._stopping.is_set():
                 events = await consumer.poll(timeout_s=self.poll_timeout_s)
