@@ -41,34 +41,39 @@ class ChainVerifier:
 
     def check(self, topic: Topic, key: bytes | None, envelope: Envelope, position: Position) -> None:
         """Raise an IntegrityError if ``envelope`` may not follow what was accepted so far."""
-        if not topic.allows_actor(envelope.actor):
-            raise ActorNotAllowed(
-                f"{position}: actor {envelope.actor!r} may not write {topic.name} (only {topic.owner!r} may)"
-            )
-        if not isinstance(envelope.body, topic.bodies):
-            raise BodyNotAllowed(f"{position}: a {type(envelope.body).__name__} does not belong on {topic.name}")
-        if key is not None and key != envelope.session_id.encode():
-            raise KeyMismatch(f"{position}: key {key!r} is not the session id {envelope.session_id!r}")
-        tail = self._tails.get((topic.name, envelope.session_id))
-        expected_seq, expected_prev = (0, ZERO_HASH) if tail is None else (tail.seq + 1, tail.hash)
-        if envelope.seq > expected_seq:
-            raise SeqGap(
-                f"{position}: session {envelope.session_id} jumps to seq {envelope.seq}, expected {expected_seq}"
-            )
-        if envelope.seq < expected_seq:
-            raise SeqRepeat(
-                f"{position}: session {envelope.session_id} repeats seq {envelope.seq}, expected {expected_seq}"
-            )
-        if envelope.prev_hash != expected_prev:
-            raise BrokenChain(
-                f"{position}: session {envelope.session_id} seq {envelope.seq} has prev_hash "
-                f"{envelope.prev_hash.hex()[:12]}..., expected {expected_prev.hex()[:12]}...; run logctl verify"
-            )
+        self._check(topic, key, envelope, position)
 
     def accept(self, topic: Topic, envelope: Envelope) -> None:
         """Make ``envelope`` the new tail of its chain (call after ``check`` passed)."""
         self._tails[(topic.name, envelope.session_id)] = ChainTail(envelope.seq, envelope.hash)
 
     def verify(self, topic: Topic, key: bytes | None, envelope: Envelope, position: Position) -> None:
-        self.check(topic, key, envelope, position)
-        self.accept(topic, envelope)
+        """``check``, then ``accept``: what a consumer does with every record."""
+        chain = self._check(topic, key, envelope, position)
+        self._tails[chain] = ChainTail(envelope.seq, envelope.hash)
+
+    def _check(self, topic: Topic, key: bytes | None, envelope: Envelope, position: Position) -> tuple[str, str]:
+        """``check``; returns the chain's key in ``_tails`` (so ``verify`` builds it once)."""
+        session_id = envelope.session_id
+        seq = envelope.seq
+        if not topic.allows_actor(envelope.actor):
+            raise ActorNotAllowed(
+                f"{position}: actor {envelope.actor!r} may not write {topic.name} (only {topic.owner!r} may)"
+            )
+        if not isinstance(envelope.body, topic.bodies):
+            raise BodyNotAllowed(f"{position}: a {type(envelope.body).__name__} does not belong on {topic.name}")
+        if key is not None and key != session_id.encode():
+            raise KeyMismatch(f"{position}: key {key!r} is not the session id {session_id!r}")
+        chain = (topic.name, session_id)
+        tail = self._tails.get(chain)
+        expected_seq, expected_prev = (0, ZERO_HASH) if tail is None else (tail.seq + 1, tail.hash)
+        if seq > expected_seq:
+            raise SeqGap(f"{position}: session {session_id} jumps to seq {seq}, expected {expected_seq}")
+        if seq < expected_seq:
+            raise SeqRepeat(f"{position}: session {session_id} repeats seq {seq}, expected {expected_seq}")
+        if envelope.prev_hash != expected_prev:
+            raise BrokenChain(
+                f"{position}: session {session_id} seq {seq} has prev_hash "
+                f"{envelope.prev_hash.hex()[:12]}..., expected {expected_prev.hex()[:12]}...; run logctl verify"
+            )
+        return chain

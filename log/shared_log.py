@@ -31,14 +31,18 @@ from schemas.events import Event, RecordDeadLettered
 _log = logging.getLogger(__name__)
 
 
+_Pending = tuple[asyncio.Future[list[Position]], int]
+"""A record in flight: the future of its append's batch, and its index in the batch."""
+
+
 @dataclass
 class _Chain:
     """What a writer knows about one (topic, session) chain."""
 
     next_seq: int = 0
     last_hash: bytes = ZERO_HASH
-    # event_id -> where it landed (or the pending future while in flight); makes re-appends no-ops.
-    known: dict[str, Position | asyncio.Future[Position]] = field(default_factory=dict)
+    # event_id -> where it landed (or its _Pending while in flight); makes re-appends no-ops.
+    known: dict[str, Position | _Pending] = field(default_factory=dict)
 
 
 class SharedLog:
@@ -127,63 +131,71 @@ class SharedLog:
         return position
 
     async def _append(self, topic: topic_table.Topic, drafts: Sequence[Draft]) -> list[Position]:
-        results: list[Position | asyncio.Future[Position] | None] = []
+        # One future stands for the whole batch; what each record waits for is (that future,
+        # its index in the batch). An event_id seen before resolves to its Position, or, while
+        # its batch is in flight (earlier in this batch or in a concurrent append), to that pair.
+        batch: asyncio.Future[list[Position]] = asyncio.get_running_loop().create_future()
+        results: list[Position | _Pending] = []
         out: list[OutRecord] = []
-        fresh: list[tuple[int, _Chain, str]] = []  # (index in results, chain, event_id)
+        fresh: list[tuple[_Chain, str]] = []  # the chain and event_id of each record of ``out``
         async with self._locks[topic.name]:
-            for partition in {self.partition_for(d.session_id) for d in drafts}:
-                if topic is not topic_table.AGENT_DLQ and (topic.name, partition) not in self._loaded:
-                    await self._load_partition(topic, partition)
-            for draft in drafts:
-                chain = self._chains.setdefault((topic.name, draft.session_id), _Chain())
-                event_id = draft.event_id or str(uuid.uuid4())
-                if event_id in chain.known:
-                    results.append(chain.known[event_id])
-                    continue
-                value, digest = self.codec.encode(
-                    event_id=event_id,
-                    session_id=draft.session_id,
-                    seq=chain.next_seq,
-                    actor=self.actor,
-                    occurred_at=draft.occurred_at or self.clock(),
-                    causation_id=draft.causation_id,
-                    prev_hash=chain.last_hash,
-                    body=draft.body,
-                )
-                out.append(
-                    OutRecord(
-                        self.partition_for(draft.session_id),
-                        draft.session_id.encode(),
-                        value,
-                        chain.next_seq,
-                        event_id,
+            partitions = [self.partition_for(d.session_id) for d in drafts]
+            if topic is not topic_table.AGENT_DLQ:
+                for partition in set(partitions):
+                    if (topic.name, partition) not in self._loaded:
+                        await self._load_partition(topic, partition)
+            try:
+                for draft, partition in zip(drafts, partitions, strict=True):
+                    chain = self._chains.setdefault((topic.name, draft.session_id), _Chain())
+                    event_id = draft.event_id or str(uuid.uuid4())
+                    known = chain.known.get(event_id)
+                    if known is not None:
+                        results.append(known)
+                        continue
+                    value, digest = self.codec.encode(
+                        event_id=event_id,
+                        session_id=draft.session_id,
+                        seq=chain.next_seq,
+                        actor=self.actor,
+                        occurred_at=draft.occurred_at or self.clock(),
+                        causation_id=draft.causation_id,
+                        prev_hash=chain.last_hash,
+                        body=draft.body,
                     )
-                )
-                chain.next_seq += 1
-                chain.last_hash = digest
-                pending: asyncio.Future[Position] = asyncio.get_running_loop().create_future()
-                chain.known[event_id] = pending
-                fresh.append((len(results), chain, event_id))
-                results.append(pending)
-            produced = await self.backend.produce(topic.name, out) if out else None
+                    pending = (batch, len(out))
+                    out.append(OutRecord(partition, draft.session_id.encode(), value, chain.next_seq, event_id))
+                    fresh.append((chain, event_id))
+                    chain.next_seq += 1
+                    chain.last_hash = digest
+                    chain.known[event_id] = pending
+                    results.append(pending)
+                produced = await self.backend.produce(topic.name, out) if out else None
+            except BaseException as e:
+                self._abandon(topic.name, out, batch, e)
+                raise
         try:
             positions = await produced if produced is not None else []
         except BaseException as e:
-            # Some of the batch may have landed: forget what we assumed and re-read the log next time.
-            self._forget(topic.name, {r.partition for r in out})
-            for _, chain, event_id in fresh:
-                future = chain.known.get(event_id)
-                if isinstance(future, asyncio.Future) and not future.done():
-                    future.set_exception(e)
-                    future.exception()  # mark retrieved: the caller gets the error below
+            self._abandon(topic.name, out, batch, e)
             raise
-        for (index, chain, event_id), position in zip(fresh, positions, strict=True):
-            future = chain.known[event_id]
-            if isinstance(future, asyncio.Future):
-                future.set_result(position)
+        batch.set_result(positions)
+        for (chain, event_id), position in zip(fresh, positions, strict=True):
             chain.known[event_id] = position
-            results[index] = position
-        return [r if isinstance(r, Position) else await r for r in results if r is not None]
+        return [r if isinstance(r, Position) else (await r[0])[r[1]] for r in results]
+
+    def _abandon(
+        self, topic: str, out: Sequence[OutRecord], batch: asyncio.Future[list[Position]], error: BaseException
+    ) -> None:
+        """A batch failed (or was cancelled) before all of it was known to have landed.
+
+        Some of it may have landed, or none (an encode or a send failed halfway): forget
+        what we assumed about its partitions and re-read the log on the next append. Whoever
+        waits for one of its event ids gets the error.
+        """
+        self._forget(topic, {r.partition for r in out})
+        if not batch.done():
+            batch.set_exception(error)
+            batch.exception()  # mark it retrieved: the caller gets the error from _append itself
 
     async def _load_partition(self, topic: topic_table.Topic, partition: int) -> None:
         """Recover seq, prev_hash and known event ids of every session in one partition."""
@@ -246,6 +258,11 @@ class SharedLog:
     async def end_offsets(self, topic: str) -> dict[int, int]:
         return await self.backend.end_offsets(topic)
 
-    def consumer(self, group: str, topics: Sequence[str], *, from_beginning: bool = False) -> EventConsumer:
-        """A typed consumer in consumer group ``group`` (call ``await consumer.start()``)."""
-        return EventConsumer(self, group, topics, from_beginning=from_beginning)
+    def consumer(
+        self, group: str, topics: Sequence[str], *, from_beginning: bool = False, instance_id: str | None = None
+    ) -> EventConsumer:
+        """A typed consumer in consumer group ``group`` (call ``await consumer.start()``).
+
+        Give a stable ``instance_id`` to a process that restarts under the same name.
+        """
+        return EventConsumer(self, group, topics, from_beginning=from_beginning, instance_id=instance_id)
