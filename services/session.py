@@ -104,6 +104,8 @@ class SessionState:
     failure: str | None = None
     cancel_requested: bool = False
     num_events: int = 0
+    actors: set[str] = field(default_factory=set)
+    """Every principal that wrote an event of the session."""
     applied: set[str] = field(default_factory=set)
     anomalies: list[str] = field(default_factory=list)
     """Events that make sense on the wire but not here (a second verdict), in words."""
@@ -135,6 +137,7 @@ class SessionState:
             return False
         self.applied.add(envelope.event_id)
         self.num_events += 1
+        self.actors.add(envelope.actor)
         _evolve(self, envelope.body)
         if isinstance(envelope.body, ev.ToolCallProposed):
             self.tool_calls[envelope.body.call_id].proposed_at = envelope.occurred_at

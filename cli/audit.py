@@ -1,0 +1,221 @@
+"""logctl verify and logctl audit: is the log intact, and who did what.
+
+``verify`` re-reads partitions from offset 0 and checks every record exactly as
+a consumer does (decodes, its own hash, actor owns the topic, body belongs on
+the topic, key is the session, seq gapless, prev_hash chains), and reports each
+broken link with its topic, partition and offset. It exits 1 when anything is
+wrong.
+
+``audit`` folds the sessions and shows each tool call's proposal, votes,
+verdict, approvals and execution side by side, filtered by session, actor,
+tool, effect class, verdict and time range.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+import typer
+
+from cli.sessions import SessionBook, read_sessions
+from log import TOPICS, RecordError, SharedLog, open_log
+from log.chain import ChainVerifier
+from log.topics import topic as topic_named
+from services.session import ToolCall
+
+LogUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--log-url", envvar="AGENTLOG_LOG_URL", help="kafka://host:port, postgresql://..., or empty for embedded"
+    ),
+]
+Json = Annotated[bool, typer.Option("--json", help="JSON for scripts instead of a table")]
+
+
+@dataclass
+class VerifyReport:
+    num_records: int = 0
+    num_sessions: int = 0
+    problems: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+async def verify_log(log: SharedLog, *, topics: list[str], session: str | None) -> VerifyReport:
+    """Check every record of ``topics`` (of one session, if given) from offset 0."""
+    report = VerifyReport()
+    began = time.perf_counter()
+    key = session.encode() if session is not None else None
+    sessions: set[str] = set()
+    for name in topics:
+        topic = topic_named(name)
+        verifier = ChainVerifier()
+        partitions = [log.partition_for(session)] if session is not None else range(log.num_partitions)
+        for partition in partitions:
+            records = (
+                await log.backend.read_key(name, partition, key)
+                if key is not None
+                else [r async for r in log.scan(name, partition)]
+            )
+            for record in records:
+                report.num_records += 1
+                try:
+                    envelope = log.decode(record)
+                    verifier.verify(topic, record.key, envelope, record.position)
+                    sessions.add(envelope.session_id)
+                except RecordError as error:
+                    report.problems.append(
+                        {
+                            "topic": name,
+                            "partition": record.position.partition,
+                            "offset": record.position.offset,
+                            "session_id": record.key.decode(errors="replace") if record.key else None,
+                            "error": type(error).__name__,
+                            "reason": str(error),
+                        }
+                    )
+    report.num_sessions = len(sessions)
+    report.seconds = time.perf_counter() - began
+    return report
+
+
+def verify(
+    log_url: LogUrl = None,
+    session: Annotated[str | None, typer.Option(help="Only this session's chains")] = None,
+    topic: Annotated[list[str] | None, typer.Option("--topic", "-t", help="Only these topics (repeatable)")] = None,
+    as_json: Json = False,
+) -> None:
+    """Check every hash chain and seq of the log; exit 1 and name each broken link if any."""
+    topics = topic or [t.name for t in TOPICS if t.name != "agent.dlq"]
+
+    async def run() -> VerifyReport:
+        async with open_log(log_url, actor="auditor") as log:
+            return await verify_log(log, topics=topics, session=session)
+
+    report = asyncio.run(run())
+    rate = report.num_records / report.seconds if report.seconds else 0.0
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "ok": report.ok,
+                    "records": report.num_records,
+                    "sessions": report.num_sessions,
+                    "seconds": round(report.seconds, 3),
+                    "records_per_s": round(rate),
+                    "problems": report.problems,
+                }
+            )
+        )
+    else:
+        for problem in report.problems:
+            typer.echo(
+                f"BROKEN {problem['topic']}[{problem['partition']}]@{problem['offset']}  {problem['error']}: "
+                f"{problem['reason']}"
+            )
+        verdict = "OK" if report.ok else f"{len(report.problems)} broken"
+        typer.echo(
+            f"{verdict}: {report.num_records:,} records of {report.num_sessions:,} sessions on {len(topics)} topics "
+            f"checked in {report.seconds:.2f} s ({rate:,.0f} records/s)"
+        )
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+# ------------------------------------------------------------------------- audit
+
+
+def tool_row(session_id: str, tool: ToolCall) -> dict[str, Any]:
+    """One tool call, everything about it side by side."""
+    verdict = tool.verdict
+    return {
+        "session_id": session_id,
+        "call_id": tool.call_id,
+        "tool": tool.proposed.tool,
+        "effect_class": tool.proposed.effect_class.value,
+        "arguments": tool.proposed.arguments_json,
+        "proposed_at": tool.proposed_at.isoformat() if tool.proposed_at else None,
+        "votes": [{"voter": v.voter, "decision": v.decision.value, "reason": v.reason} for v in verdict.votes]
+        if verdict
+        else [],
+        "verdict": ("committed" if type(verdict).__name__ == "ToolCallCommitted" else "aborted") if verdict else None,
+        "verdict_reason": getattr(verdict, "reason", None),
+        "approvals": [{"author": a.author, "decision": a.decision.value, "reason": a.reason} for a in tool.approvals],
+        "status": tool.status.value,
+        "attempts": tool.attempts,
+        "duration_ms": tool.completed.duration_ms
+        if tool.completed
+        else tool.failure.duration_ms
+        if tool.failure
+        else None,
+        "error": tool.failure.error if tool.failure else None,
+    }
+
+
+def audit(
+    log_url: LogUrl = None,
+    session: Annotated[str | None, typer.Option(help="Only this session")] = None,
+    actor: Annotated[str | None, typer.Option(help="Only sessions with an event written by this principal")] = None,
+    tool: Annotated[str | None, typer.Option(help="Only calls of this tool")] = None,
+    effect_class: Annotated[str | None, typer.Option(help="pure, idempotent, compensatable or irreversible")] = None,
+    verdict: Annotated[str | None, typer.Option(help="committed, aborted or pending")] = None,
+    since: Annotated[datetime | None, typer.Option(help="Only calls proposed at or after (ISO time, UTC)")] = None,
+    until: Annotated[datetime | None, typer.Option(help="Only calls proposed before (ISO time, UTC)")] = None,
+    as_json: Json = False,
+) -> None:
+    """Who did what: each tool call's proposal, votes, verdict, approvals and execution."""
+
+    async def read() -> SessionBook:
+        async with open_log(log_url, actor="auditor") as log:
+            return await read_sessions(log, group=f"logctl-audit-{uuid.uuid4().hex[:8]}")
+
+    book = asyncio.run(read())
+    rows = []
+    for record in book.records.values():
+        state = record.state
+        if session and state.session_id != session:
+            continue
+        if actor and actor not in state.actors:
+            continue
+        for call in state.tool_calls.values():
+            row = tool_row(state.session_id, call)
+            if tool and row["tool"] != tool:
+                continue
+            if effect_class and row["effect_class"] != effect_class.upper():
+                continue
+            if verdict and (row["verdict"] or "pending") != verdict:
+                continue
+            proposed = call.proposed_at
+            if since and (proposed is None or proposed < _aware(since)):
+                continue
+            if until and (proposed is None or proposed >= _aware(until)):
+                continue
+            rows.append(row)
+    rows.sort(key=lambda r: (r["proposed_at"] or "", r["session_id"], r["call_id"]))
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    typer.echo(
+        f"{'session':<28} {'call':<8} {'tool':<12} {'effect':<13} {'votes':<34} {'verdict':<10} {'status':<10} who"
+    )
+    for row in rows:
+        votes = " ".join(f"{v['voter'][:8]}:{v['decision'][:3]}" for v in row["votes"])
+        who = ", ".join(f"{a['decision'].lower()} by {a['author']}" for a in row["approvals"])
+        typer.echo(
+            f"{row['session_id'][:28]:<28} {row['call_id']:<8} {row['tool'][:12]:<12} {row['effect_class'][:13]:<13} "
+            f"{votes[:34]:<34} {(row['verdict'] or 'pending'):<10} {row['status']:<10} {who}"
+        )
+    typer.echo(f"{len(rows)} tool calls")
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
