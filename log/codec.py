@@ -417,7 +417,8 @@ class Codec:
             raise TruncatedRecord(f"record body ends early ({len(payload)} bytes): {e or type(e).__name__}") from e
         except SchemaResolutionError as e:
             raise SchemaMismatch(f"writer schema {fingerprint.hex()} does not resolve to the reader schema: {e}") from e
-        except (ValueError, IndexError, UnicodeDecodeError, TypeError, KeyError) as e:
+        except (ValueError, IndexError, UnicodeDecodeError, TypeError, KeyError, OverflowError) as e:
+            # OverflowError: a timestamp outside what a datetime holds (a forged or corrupt record).
             raise SchemaMismatch(f"record body does not decode with schema {fingerprint.hex()}: {e}") from e
         if not isinstance(raw, dict):
             raise SchemaMismatch(f"record body decoded to {type(raw).__name__}, not a record")
@@ -467,7 +468,7 @@ class Codec:
             stored_hash, pos = _read_bytes(data, buf.tell())
         except (EOFError, StopIteration) as e:
             raise TruncatedRecord(f"record body ends early ({size} bytes): {e or type(e).__name__}") from e
-        except (ValueError, IndexError, UnicodeDecodeError, TypeError, KeyError) as e:
+        except (ValueError, IndexError, UnicodeDecodeError, TypeError, KeyError, OverflowError) as e:
             raise SchemaMismatch(f"record body does not decode with schema {self.fingerprint.hex()}: {e}") from e
         if not isinstance(values, dict):
             raise SchemaMismatch(f"{body_type.name} body decoded to {type(values).__name__}, not a record")

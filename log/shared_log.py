@@ -181,7 +181,17 @@ class SharedLog:
         batch.set_result(positions)
         for (chain, event_id), position in zip(fresh, positions, strict=True):
             chain.known[event_id] = position
-        return [r if isinstance(r, Position) else (await r[0])[r[1]] for r in results]
+        landed: list[Position] = []
+        for r in results:
+            if isinstance(r, Position):
+                landed.append(r)
+            elif r[0] is batch:
+                landed.append(positions[r[1]])
+            else:
+                # In flight in a concurrent append. Shielded: if our caller gives up waiting,
+                # that must not cancel the other append's batch.
+                landed.append((await asyncio.shield(r[0]))[r[1]])
+        return landed
 
     def _abandon(
         self, topic: str, out: Sequence[OutRecord], batch: asyncio.Future[list[Position]], error: BaseException

@@ -179,6 +179,24 @@ def test_a_concurrent_append_of_an_event_in_flight_waits_for_its_batch() -> None
     run(scenario)
 
 
+def test_cancelling_a_waiter_does_not_cancel_the_batch_it_waits_for() -> None:
+    async def scenario(log: SharedLog, backend: MemoryBackend) -> None:
+        backend.hold = True
+        first = asyncio.create_task(log.append("s", started(0), event_id="a"))
+        await until_held(backend)
+        waiter = asyncio.create_task(log.append("s", started(0), event_id="a"))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        backend.release()
+        position = await first
+        assert await log.append("s", started(0), event_id="a") == position
+        assert verified(log, backend) == [("s", 0)]
+
+    run(scenario)
+
+
 def test_a_failed_batch_fails_its_waiters_and_the_writer_recovers() -> None:
     async def scenario(log: SharedLog, backend: MemoryBackend) -> None:
         await log.append("s", started(0), event_id="before")

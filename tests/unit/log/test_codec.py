@@ -150,3 +150,27 @@ def test_old_release_records_decode() -> None:
     unhashed = buf.getvalue()
     record = MAGIC + v1.fingerprint + unhashed + b"\x40" + hashlib.sha256(unhashed).digest()
     assert CODEC.decode(record).body == events.SessionFailed(reason="r", error_type="E")
+
+
+def test_a_timestamp_no_datetime_holds_is_a_schema_mismatch() -> None:
+    """A forged record with a valid hash but an absurd occurred_at goes to the DLQ, not up the stack."""
+    schema = parse_schema({**registry.expanded_envelope(), "fields": registry.expanded_envelope()["fields"][:-1]})
+    buf = io.BytesIO()
+    schemaless_writer(
+        buf,
+        schema,
+        {
+            "event_id": "e",
+            "session_id": "s",
+            "seq": 0,
+            "actor": "planner",
+            "occurred_at": 2**62,
+            "causation_id": None,
+            "prev_hash": ZERO_HASH,
+            "body": ("agentlog.SessionFailed", {"reason": "r", "error_type": "E"}),
+        },
+    )
+    unhashed = buf.getvalue()
+    record = MAGIC + registry.current_fingerprint() + unhashed + b"\x40" + hashlib.sha256(unhashed).digest()
+    with pytest.raises(SchemaMismatch):
+        CODEC.decode(record)
