@@ -110,13 +110,18 @@ class SharedLog:
             raise NotTopicOwner(f"{self.actor!r} may not append to {topic.name}; only {topic.owner!r} may")
         return await self._append(topic, drafts)
 
-    async def dead_letter(self, record: RawRecord, error: RecordError, group: str) -> Position:
+    async def dead_letter(self, record: RawRecord, error: RecordError, group: str) -> Position | None:
         """Set a bad record aside on ``agent.dlq`` with the reason.
 
         Each SharedLog instance writes its dead letters to a chain of its own
         (session ``dlq/<actor>/<instance>``), so concurrent writers of the DLQ
-        never share a seq; the bad record's key is kept in the body.
+        never share a seq; the bad record's key is kept in the body. A read-only
+        principal (the auditor) may not write even the DLQ: the record is only
+        logged and counted by its consumer; returns None then.
         """
+        if not topic_table.AGENT_DLQ.allows_actor(self.actor):
+            _log.warning("%s (read-only) skips %s: %s", self.actor, record.position, error)
+            return None
         body = RecordDeadLettered(
             source_topic=record.position.topic,
             source_partition=record.position.partition,

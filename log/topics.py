@@ -14,6 +14,8 @@ from schemas import events as ev
 from schemas.events import Model
 
 ANY_ACTOR = "*"
+READ_ONLY_ACTORS = frozenset({"auditor"})
+"""Principals that write nothing at all, not even the dead-letter topic (the broker and the database refuse them)."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class Topic:
     infinite_retention: bool = True
 
     def allows_actor(self, actor: str) -> bool:
+        if actor in READ_ONLY_ACTORS:
+            return False
         return self.owner in (ANY_ACTOR, actor)
 
 

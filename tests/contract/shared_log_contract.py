@@ -303,7 +303,8 @@ class SharedLogContract:
             after = await restarted.append(session, llm_started(2))
             assert after.offset == 13
 
-            auditor = await open_log("auditor")
+            # A reader that may write the DLQ (the auditor is read-only: it would only count them).
+            auditor = await open_log("projector")
             async with auditor.consumer("audit", ["agent.actions"], from_beginning=True) as consumer:
                 events = await poll_until(consumer, 3, settle_s=1.0)
                 assert [e.seq for e in events] == [0, 1, 2]
@@ -380,3 +381,24 @@ async def poll_until(
 
 
 __all__ = ["Position", "SharedLogContract", "poll_until"]
+
+
+class ReadOnlyAuditorContract:
+    """Mixed into the backend suites: the auditor counts bad records but writes nothing."""
+
+    def test_the_read_only_auditor_counts_bad_records_and_writes_nothing(self, run: Any) -> None:
+        async def scenario(open_log: Any) -> None:
+            planner = await open_log("planner")
+            await planner.append("s-ro", llm_started(0))
+            partition = planner.partition_for("s-ro")
+            await (await planner.backend.produce("agent.actions", [OutRecord(partition, b"s-ro", b"garbage")]))
+            auditor = await open_log("auditor")
+            async with auditor.consumer("ro", ["agent.actions"], from_beginning=True) as consumer:
+                events = await poll_until(consumer, 1, settle_s=1.0)
+                assert [e.seq for e in events] == [0]
+                assert consumer.stats.dead_lettered_by_error == {"BadMagic": 1}
+            assert sum((await auditor.end_offsets("agent.dlq")).values()) == 0
+            with pytest.raises(NotTopicOwner):
+                await auditor.append("s-ro", llm_started(1))
+
+        run(scenario)

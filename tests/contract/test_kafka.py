@@ -8,12 +8,12 @@ import pytest
 
 from log.backend import Backend
 from log.kafka_backend import KafkaBackend
-from tests.contract.shared_log_contract import SharedLogContract
+from tests.contract.shared_log_contract import ReadOnlyAuditorContract, SharedLogContract
 
 pytestmark = [pytest.mark.contract, pytest.mark.integration]
 
 
-class TestKafkaSharedLog(SharedLogContract):
+class TestKafkaSharedLog(SharedLogContract, ReadOnlyAuditorContract):
     @pytest.fixture
     def make_backend(self, kafka_bootstrap: str, namespace: str) -> Callable[[], Backend]:
         return lambda: KafkaBackend(kafka_bootstrap, namespace=namespace)

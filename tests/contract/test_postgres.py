@@ -8,12 +8,12 @@ import pytest
 
 from log.backend import Backend
 from log.postgres_backend import PostgresBackend
-from tests.contract.shared_log_contract import SharedLogContract
+from tests.contract.shared_log_contract import ReadOnlyAuditorContract, SharedLogContract
 
 pytestmark = [pytest.mark.contract, pytest.mark.integration]
 
 
-class TestPostgresSharedLog(SharedLogContract):
+class TestPostgresSharedLog(SharedLogContract, ReadOnlyAuditorContract):
     @pytest.fixture
     def make_backend(self, pg_url: str, namespace: str) -> Callable[[], Backend]:
         return lambda: PostgresBackend(pg_url, namespace=namespace)
