@@ -117,7 +117,9 @@ class PostgresBackend(Backend):
             if self.namespace != "public":
                 conn = await asyncpg.connect(self.dsn)
                 try:
-                    await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.namespace}"')
+                    # Only when missing: a role of one principal may use a schema but not create one.
+                    if not await conn.fetchval("SELECT 1 FROM pg_namespace WHERE nspname = $1", self.namespace):
+                        await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.namespace}"')
                 finally:
                     await conn.close()
             self._pool = await asyncpg.create_pool(
@@ -272,14 +274,19 @@ class PostgresSubscription(Subscription):
 
     async def join(self) -> None:
         self._conn = await asyncpg.connect(self.backend.dsn, server_settings=self.backend.server_settings)
-        await self.conn.add_listener(self.backend.channel, self._on_notify)
-        await self.conn.execute(
-            "SELECT pg_advisory_lock(hashtext($1), hashtext($2))", self._members_key, self.member_id
-        )
-        await self.conn.execute(
-            "INSERT INTO log_group_members (group_id, member_id) VALUES ($1, $2)", self.group, self.member_id
-        )
-        await self._rebalance()
+        try:
+            await self.conn.add_listener(self.backend.channel, self._on_notify)
+            await self.conn.execute(
+                "SELECT pg_advisory_lock(hashtext($1), hashtext($2))", self._members_key, self.member_id
+            )
+            await self.conn.execute(
+                "INSERT INTO log_group_members (group_id, member_id) VALUES ($1, $2)", self.group, self.member_id
+            )
+            await self._rebalance()
+        except BaseException:
+            await self._conn.close()  # e.g. a role that may not use this group: leave nothing open
+            self._conn = None
+            raise
 
     @property
     def _members_key(self) -> str:
