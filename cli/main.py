@@ -45,26 +45,54 @@ def init(
     partitions: Annotated[int, typer.Option(help="Partitions per topic (all topics get the same count)")] = (
         DEFAULT_PARTITIONS
     ),
+    secure: Annotated[
+        bool,
+        typer.Option(
+            "--secure",
+            help="Kafka: also create the ACLs of log/acls.py (as the admin principal: AGENTLOG_KAFKA_USERNAME=admin)",
+        ),
+    ] = False,
     as_json: Json = False,
 ) -> None:
     """Create the log's topics (idempotent): infinite retention, delete policy, co-partitioned."""
-    ends = asyncio.run(_init(log_url, partitions))
+    ends = asyncio.run(_init(log_url, partitions, secure))
     if as_json:
-        typer.echo(json.dumps({"topics": {name: sum(e.values()) for name, e in ends.items()}}))
+        typer.echo(json.dumps({"topics": {name: sum(e.values()) for name, e in ends.items()}, "secure": secure}))
         return
     typer.echo(f"{'topic':<16} {'partitions':>10} {'records':>10}")
     for name, e in ends.items():
         typer.echo(f"{name:<16} {len(e):>10} {sum(e.values()):>10}")
+    if secure:
+        typer.echo("ACLs applied: each principal writes only its own topics (python -m log.acls show lists them)")
 
 
-async def _init(log_url: str | None, partitions: int) -> dict[str, dict[int, int]]:
+async def _init(log_url: str | None, partitions: int, secure: bool = False) -> dict[str, dict[int, int]]:
     log = open_log(log_url, actor="admin")
     await log.backend.start()
     try:
         await log.backend.create_topics(partitions)
+        if secure:
+            await _apply_acls(log.backend)
         return {t.name: await log.backend.end_offsets(t.name) for t in TOPICS}
     finally:
         await log.backend.close()
+
+
+async def _apply_acls(backend: object) -> None:
+    from log.acls import admin_client, apply_acls
+    from log.kafka_backend import KafkaBackend
+
+    if not isinstance(backend, KafkaBackend):
+        raise typer.BadParameter("--secure needs a kafka:// log URL (on Postgres, see log/pg_roles.py)")
+
+    def apply() -> None:
+        admin = admin_client(backend.bootstrap, backend.client_config)
+        try:
+            apply_acls(admin, backend.namespace)
+        finally:
+            admin.close()
+
+    await asyncio.to_thread(apply)
 
 
 @app.command()

@@ -8,10 +8,24 @@ Library use::
     with LocalKafkaBroker() as broker:
         producer = KafkaProducer(**broker.client_configs())
 
+    with LocalKafkaBroker(secure=True) as broker:   # SASL/PLAIN + ACLs, see below
+        producer = KafkaProducer(**broker.client_configs("planner"))
+
 CLI use (``.ci/run``)::
 
-    python -m log.local_kafka start --port 19092 --data-dir DIR --pid-file F
+    python -m log.local_kafka start --port 19092 --data-dir DIR --pid-file F [--secure]
     python -m log.local_kafka stop --pid-file F
+
+Secure mode (``secure=True``, ``start --secure``): one listener CLIENT with
+SASL_PLAINTEXT + PLAIN for clients, a SASL_PLAINTEXT controller listener that
+only ``admin`` can log in to, Kafka's StandardAuthorizer with
+``allow.everyone.if.no.acl.found=false`` and ``super.users=User:admin``. Every
+principal of ``log.acls.PRINCIPALS`` is a user. Passwords are generated at the
+first start (or given), kept in ``DATA_DIR/credentials.json`` (mode 0600, read
+back on a restart) and one file per principal in ``DATA_DIR/secrets/`` (for
+``AGENTLOG_KAFKA_PASSWORD_FILE``); they are never on a command line or in the
+log. ``server.properties`` holds them too (the JAAS config) and is 0600. No
+ACLs exist at start: ``log.acls.apply_acls`` creates them.
 """
 
 from __future__ import annotations
@@ -20,7 +34,10 @@ import argparse
 import base64
 import fcntl
 import hashlib
+import json
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -30,6 +47,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -38,6 +56,8 @@ from typing import Any, Self
 # project later sets ignore_missing_imports for it.
 from kafka.admin import KafkaAdminClient  # type: ignore[import-untyped,unused-ignore]
 from kafka.errors import KafkaError  # type: ignore[import-untyped,unused-ignore]
+
+from log.acls import ADMIN, PRINCIPALS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POM_FILE = REPO_ROOT / ".ci" / "kafka" / "pom.xml"
@@ -50,6 +70,14 @@ HOST = "127.0.0.1"
 # Pinned: an unpinned `dependency:copy-dependencies` may resolve an old plugin version.
 _MVN_GOAL = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies"
 _LOG_TAIL_LINES = 40
+CREDENTIALS_FILE = "credentials.json"
+SECRETS_DIR = "secrets"
+SECURITY_PROTOCOL = "SASL_PLAINTEXT"
+SASL_MECHANISM = "PLAIN"
+AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+# Kafka's JAAS parser takes user_<name>= option names; a password sits in double quotes.
+_PRINCIPAL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_PASSWORD_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no space
 
 
 class KafkaBrokerError(RuntimeError):
@@ -89,8 +117,69 @@ def resolve_jars(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
     return libs
 
 
+@dataclass(frozen=True)
+class KafkaCredentials:
+    """Where a secure broker listens and every principal's password (``credentials.json``)."""
+
+    bootstrap_servers: str
+    passwords: Mapping[str, str] = field(repr=False)
+    path: Path | None = None
+    """The credentials.json these were read from or written to."""
+
+    def client_configs(self, principal: str = ADMIN) -> dict[str, Any]:
+        """SASL settings of kafka-python clients that log in as ``principal``, without the
+        bootstrap address: ``KafkaBackend(bootstrap, client_config=...)`` takes these."""
+        if principal not in self.passwords:
+            raise KeyError(f"no user {principal!r}; users are {', '.join(self.passwords)}")
+        return {
+            "security_protocol": SECURITY_PROTOCOL,
+            "sasl_mechanism": SASL_MECHANISM,
+            "sasl_plain_username": principal,
+            "sasl_plain_password": self.passwords[principal],
+        }
+
+    def client_kwargs(self, principal: str = ADMIN) -> dict[str, Any]:
+        """All kwargs of a kafka-python client: ``KafkaProducer(**creds.client_kwargs("planner"))``."""
+        return {"bootstrap_servers": self.bootstrap_servers, **self.client_configs(principal)}
+
+    def password_file(self, principal: str) -> Path:
+        """The file holding only ``principal``'s password (for ``AGENTLOG_KAFKA_PASSWORD_FILE``)."""
+        if self.path is None:
+            raise ValueError("credentials not saved to a file")
+        return self.path.parent / SECRETS_DIR / principal
+
+    def env(self, principal: str) -> dict[str, str]:
+        """Environment for a process that logs in as ``principal`` (read by ``kafka_backend.security_config``)."""
+        return {
+            "KAFKA_BOOTSTRAP_SERVERS": self.bootstrap_servers,
+            "AGENTLOG_KAFKA_USERNAME": principal,
+            "AGENTLOG_KAFKA_PASSWORD_FILE": str(self.password_file(principal)),
+        }
+
+    @classmethod
+    def load(cls, path: Path) -> KafkaCredentials:
+        data = json.loads(path.read_text())
+        return cls(str(data["bootstrap_servers"]), dict(data["users"]), path)
+
+    def save(self, path: Path) -> KafkaCredentials:
+        """Write ``path`` (0600) and ``secrets/<principal>`` (0600, in a 0700 folder) next to it."""
+        data = {
+            "bootstrap_servers": self.bootstrap_servers,
+            "security_protocol": SECURITY_PROTOCOL,
+            "sasl_mechanism": SASL_MECHANISM,
+            "users": dict(self.passwords),
+        }
+        _write_private(path, json.dumps(data, indent=2) + "\n")
+        folder = path.parent / SECRETS_DIR
+        folder.mkdir(mode=0o700, exist_ok=True)
+        folder.chmod(0o700)
+        for principal, password in self.passwords.items():
+            _write_private(folder / principal, password + "\n")
+        return KafkaCredentials(self.bootstrap_servers, self.passwords, path)
+
+
 class LocalKafkaBroker:
-    """One combined broker+controller KRaft node on 127.0.0.1, plaintext, RF=1."""
+    """One combined broker+controller KRaft node on 127.0.0.1, RF=1: plaintext, or SASL/PLAIN with ACLs."""
 
     def __init__(
         self,
@@ -101,9 +190,16 @@ class LocalKafkaBroker:
         extra_properties: Mapping[str, str] | None = None,
         cache_dir: Path = DEFAULT_CACHE_DIR,
         detach: bool = False,
+        secure: bool = False,
+        passwords: Mapping[str, str] | None = None,
     ) -> None:
         """Port 0 picks a free port. ``detach`` puts the JVM in its own session so it
-        outlives this Python process (and a Ctrl-C in its terminal)."""
+        outlives this Python process (and a Ctrl-C in its terminal).
+
+        ``secure``: SASL/PLAIN and the StandardAuthorizer (see the module doc).
+        ``passwords`` sets some or all principals' passwords (extra names become
+        users too); the others are kept from an earlier start in ``data_dir`` or
+        generated."""
         free = _free_ports(2)
         self.port = port or free[0]
         self.controller_port = controller_port or free[1]
@@ -115,6 +211,12 @@ class LocalKafkaBroker:
         self.detach = detach
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
+        self.secure = secure
+        self._passwords: dict[str, str] = {}
+        if secure:
+            self._passwords = _resolve_passwords(self.data_dir / CREDENTIALS_FILE, passwords)
+        elif passwords:
+            raise ValueError("passwords need secure=True")
 
     @property
     def bootstrap_servers(self) -> str:
@@ -128,16 +230,25 @@ class LocalKafkaBroker:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
-    def client_configs(self) -> dict[str, Any]:
-        """kwargs for kafka-python clients; a secure variant would add the SASL keys."""
-        return {"bootstrap_servers": self.bootstrap_servers}
+    @property
+    def credentials_file(self) -> Path:
+        return self.data_dir / CREDENTIALS_FILE
+
+    @property
+    def credentials(self) -> KafkaCredentials:
+        """Bootstrap address and passwords of a secure broker (saved at start)."""
+        if not self.secure:
+            raise ValueError("a plaintext broker has no credentials")
+        return KafkaCredentials(self.bootstrap_servers, dict(self._passwords), self.credentials_file)
+
+    def client_configs(self, principal: str | None = None) -> dict[str, Any]:
+        """kwargs for kafka-python clients; a secure broker's log in as ``principal`` (default admin)."""
+        if not self.secure:
+            return {"bootstrap_servers": self.bootstrap_servers}
+        return self.credentials.client_kwargs(principal or ADMIN)
 
     def properties(self) -> dict[str, str]:
-        """server.properties: a single plaintext node, then ``extra_properties`` on top.
-
-        A SASL/PLAIN + StandardAuthorizer variant only has to add or override keys here
-        (listener.security.protocol.map, sasl.*, listener.name.*.jaas, authorizer...).
-        """
+        """server.properties: a single node (plaintext, or secure), then ``extra_properties`` on top."""
         props = {
             "process.roles": "broker,controller",
             "node.id": "1",
@@ -170,8 +281,41 @@ class LocalKafkaBroker:
             # Allocated by the log cleaner at startup; 128 MiB by default.
             "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
         }
+        if self.secure:
+            props.update(self._secure_properties())
         props.update(self.extra_properties)
         return props
+
+    def _secure_properties(self) -> dict[str, str]:
+        """SASL_PLAINTEXT + PLAIN on both listeners, StandardAuthorizer, deny by default.
+
+        The controller listener is SASL too, with ``admin`` its only user: the broker
+        half of this node registers, heartbeats and forwards admin requests over it, and
+        the controller requires CLUSTER_ACTION for those, i.e. a super user. (Leaving it
+        PLAINTEXT works only with ``User:ANONYMOUS`` as a super user, which would make
+        anyone who reaches the controller port one: admin clients may talk to
+        controllers directly, KIP-919.)
+        """
+        admin_password = self._passwords[ADMIN]
+        users = " ".join(f'user_{p}="{pw}"' for p, pw in self._passwords.items())
+        login = "org.apache.kafka.common.security.plain.PlainLoginModule required"
+        broker_login = f'username="{ADMIN}" password="{admin_password}"'
+        return {
+            "listeners": f"CLIENT://{HOST}:{self.port},CONTROLLER://{HOST}:{self.controller_port}",
+            "advertised.listeners": f"CLIENT://{HOST}:{self.port}",
+            "inter.broker.listener.name": "CLIENT",
+            "listener.security.protocol.map": f"CLIENT:{SECURITY_PROTOCOL},CONTROLLER:{SECURITY_PROTOCOL}",
+            "sasl.enabled.mechanisms": SASL_MECHANISM,
+            "sasl.mechanism.inter.broker.protocol": SASL_MECHANISM,
+            "sasl.mechanism.controller.protocol": SASL_MECHANISM,
+            "listener.name.client.plain.sasl.jaas.config": f"{login} {broker_login} {users};",
+            "listener.name.controller.plain.sasl.jaas.config": (
+                f'{login} {broker_login} user_{ADMIN}="{admin_password}";'
+            ),
+            "authorizer.class.name": AUTHORIZER,
+            "allow.everyone.if.no.acl.found": "false",
+            "super.users": f"User:{ADMIN}",
+        }
 
     def start(self, timeout_s: float = 120) -> Self:
         """Resolve jars, format storage if new, launch the JVM, wait until it serves."""
@@ -181,7 +325,10 @@ class LocalKafkaBroker:
         deadline = time.monotonic() + timeout_s
         self.data_dir.mkdir(parents=True, exist_ok=True)
         config = self.data_dir / "server.properties"
-        config.write_text(_to_properties(self.properties()))
+        # 0600: a secure broker's JAAS config holds every password.
+        _write_private(config, _to_properties(self.properties()))
+        if self.secure:
+            self.credentials.save(self.credentials_file)
         java = [_java(), f"-Dlog4j2.configurationFile={LOG4J_CONFIG}", "-cp", f"{libs}/*"]
         meta = self.data_dir / "data" / "meta.properties"
         if not meta.exists():  # else: a restart
@@ -314,6 +461,35 @@ def stop_pid(pid: int, timeout_s: float = 30) -> bool:
     return True
 
 
+def _resolve_passwords(credentials_file: Path, given: Mapping[str, str] | None) -> dict[str, str]:
+    """Every principal's password: given, else from an earlier start, else new."""
+    earlier: dict[str, str] = {}
+    if credentials_file.is_file():
+        earlier = dict(KafkaCredentials.load(credentials_file).passwords)
+    given = dict(given or {})
+    passwords: dict[str, str] = {}
+    for principal in dict.fromkeys([*PRINCIPALS, *earlier, *given]):
+        password = given.get(principal) or earlier.get(principal) or secrets.token_urlsafe(24)
+        if not _PRINCIPAL_RE.fullmatch(principal):
+            raise ValueError(f"bad principal name {principal!r}")
+        if not _PASSWORD_RE.fullmatch(password) or '"' in password or "\\" in password:
+            raise ValueError(f"password of {principal!r}: printable ASCII without spaces, quotes or backslashes")
+        passwords[principal] = password
+    return passwords
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable by its owner only (also if it existed with wider modes)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
 def _to_properties(props: Mapping[str, str]) -> str:
     # Java properties: backslash is the escape character; a newline would end the value.
     def escape(value: str) -> str:
@@ -404,6 +580,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     start.add_argument("--pid-file", type=Path, required=True)
     start.add_argument("--timeout", type=float, default=120)
     start.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    start.add_argument(
+        "--secure",
+        action="store_true",
+        help="SASL/PLAIN + ACLs; also prints AGENTLOG_KAFKA_CREDENTIALS=<credentials.json>",
+    )
     stop = sub.add_parser("stop", help="stop the broker named by --pid-file and wait for it")
     stop.add_argument("--pid-file", type=Path, required=True)
     stop.add_argument("--timeout", type=float, default=30)
@@ -429,6 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data_dir=data_dir,
         cache_dir=args.cache_dir,
         detach=True,
+        secure=args.secure,
     )
     try:
         broker.start(args.timeout)
@@ -439,6 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pid_file.write_text(f"{broker.pid}\n")
     print(f"broker log: {broker.log_file}", file=sys.stderr)
     print(f"KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap_servers}", flush=True)
+    if broker.secure:
+        print(f"AGENTLOG_KAFKA_CREDENTIALS={broker.credentials_file}", flush=True)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import pytest
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
@@ -54,3 +55,25 @@ def test_tail_shows_events_readably_and_as_json(pg_url: str, namespace: str, mon
     lines = CliRunner().invoke(app, ["tail", "--log-url", pg_url, "--from-beginning", "--limit", "1", "--json"])
     record = json.loads(lines.output.splitlines()[0])
     assert record["type"] == "SessionStarted" and record["session_id"] == "s-tail" and record["seq"] == 0
+
+
+def test_init_secure_creates_the_acls(secure_kafka: Any, namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from log.acls import admin_client, missing_acls
+
+    for key, value in secure_kafka.credentials.env("admin").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
+    url = f"kafka://{secure_kafka.bootstrap}"
+    result = CliRunner().invoke(app, ["init", "--log-url", url, "--secure", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["secure"] is True
+    admin = admin_client(secure_kafka.bootstrap, secure_kafka.credentials.client_configs("admin"))
+    try:
+        assert missing_acls(admin, namespace) == []
+    finally:
+        admin.close()
+    # Without admin rights, --secure is refused by the broker.
+    for key, value in secure_kafka.credentials.env("planner").items():
+        monkeypatch.setenv(key, value)
+    refused = CliRunner().invoke(app, ["init", "--log-url", url, "--secure"])
+    assert refused.exit_code != 0
