@@ -102,10 +102,18 @@ class Stack:
 
     def _process(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None) -> Process:
         # The process name is its stable member id: a restarted planner-0 is planner-0 again.
-        env = {"AGENTLOG_INSTANCE_ID": name, **(env or {})}
-        return Process(
-            name, [sys.executable, "-m", module, *args], self.env(env), self.work_dir / "logs" / f"{name}.log"
-        )
+        env = self.env({"AGENTLOG_INSTANCE_ID": name, **(env or {})})
+        if credentials := env.pop("AGENTLOG_KAFKA_CREDENTIALS", None):
+            # A secure broker: each process logs in as its own role, with only its own password
+            # (the per-principal files beside credentials.json), never with the operator's.
+            principal = name.split("-")[0] if name != "engine" else None
+            env.pop("AGENTLOG_KAFKA_PASSWORD", None)
+            env.pop("AGENTLOG_KAFKA_USERNAME", None)
+            env.pop("AGENTLOG_KAFKA_PASSWORD_FILE", None)
+            if principal:
+                env["AGENTLOG_KAFKA_USERNAME"] = principal
+                env["AGENTLOG_KAFKA_PASSWORD_FILE"] = str(Path(credentials).parent / "secrets" / principal)
+        return Process(name, [sys.executable, "-m", module, *args], env, self.work_dir / "logs" / f"{name}.log")
 
     def start(self, *, wait_s: float = 60) -> Stack:
         self.work_dir.mkdir(parents=True, exist_ok=True)

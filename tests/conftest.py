@@ -13,9 +13,12 @@ import os
 import tempfile
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from log.local_kafka import KafkaCredentials, LocalKafkaBroker
 
 # Shared test suites live in non-test modules; let pytest explain their failed asserts too.
 pytest.register_assert_rewrite("tests.contract.shared_log_contract")
@@ -72,3 +75,22 @@ def pg_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 def namespace() -> str:
     """A fresh namespace (Kafka topic prefix / Postgres schema) per test: tests never see each other's records."""
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+@dataclass(frozen=True)
+class SecureKafka:
+    """A running secure broker (SASL/PLAIN + StandardAuthorizer): where it listens and how each principal logs in.
+
+    Not ``KAFKA_BOOTSTRAP_SERVERS``: that broker is plaintext, and these tests need to
+    know every principal's password. Started once per session from the same Maven jars.
+    """
+
+    bootstrap: str
+    credentials: KafkaCredentials
+    broker: LocalKafkaBroker
+
+
+@pytest.fixture(scope="session")
+def secure_kafka() -> Iterator[SecureKafka]:
+    with LocalKafkaBroker(secure=True) as broker:
+        yield SecureKafka(broker.bootstrap_servers, broker.credentials, broker)

@@ -48,7 +48,7 @@ from log.backend import OutRecord
 from log.errors import BackendUnavailable
 from log.kafka_backend import KafkaBackend, security_config
 from schemas import events as ev
-from tests.integration.conftest import SecureKafka
+from tests.conftest import SecureKafka
 from tests.samples import sample
 
 pytestmark = pytest.mark.integration
