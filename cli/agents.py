@@ -40,10 +40,25 @@ def up(
     planners: Annotated[int, typer.Option(help="Planner processes (they split the partitions)")] = 1,
     time_scale: Annotated[float, typer.Option(help="Multiply tool and engine waits (0.01 = 100x faster)")] = 1.0,
     work_dir: Annotated[Path | None, typer.Option(help="Logs and engine state (default: the data dir)")] = None,
+    insecure: Annotated[
+        bool, typer.Option("--insecure", help="Kafka without SASL/ACLs (default: every process logs in as its role)")
+    ] = False,
 ) -> None:
-    """Start the engine and every worker as local processes; Ctrl-C stops them gracefully."""
+    """Start the engine and every worker as local processes; Ctrl-C stops them gracefully.
+
+    On Kafka, secure mode is the default: with ``AGENTLOG_KAFKA_CREDENTIALS`` (the
+    credentials.json of ``python -m log.local_kafka start --secure``) each process logs
+    in as its own principal with only its own password.
+    """
     from cli.stack import Stack
     from log.embedded import data_dir
+
+    url = log_url or os.environ.get("AGENTLOG_LOG_URL") or ""
+    if url.startswith("kafka://") and not insecure and not os.environ.get("AGENTLOG_KAFKA_CREDENTIALS"):
+        raise typer.BadParameter(
+            "a Kafka log runs secure by default: set AGENTLOG_KAFKA_CREDENTIALS to the broker's credentials.json "
+            "(python -m log.local_kafka start --secure prints it), or pass --insecure for a plaintext broker"
+        )
 
     directory = work_dir or data_dir() / "stack"
     stack = Stack(log_url, directory, time_scale=time_scale, num_planners=planners)
