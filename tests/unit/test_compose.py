@@ -66,3 +66,21 @@ def test_postgres_matches_the_default_url(services: dict[str, Any]) -> None:
         url.path.lstrip("/"),
     )
     assert "pg_isready" in " ".join(postgres["healthcheck"]["test"])
+
+
+def test_secure_kafka_enforces_the_roles(services: dict[str, Any]) -> None:
+    from log.acls import PRINCIPALS
+
+    secure = services["kafka-secure"]
+    env = secure["environment"]
+    assert secure["profiles"] == ["secure"] and secure["image"] == "apache/kafka:4.1.1"
+    assert env["KAFKA_AUTHORIZER_CLASS_NAME"] == "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+    assert env["KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND"] == "false" and env["KAFKA_SUPER_USERS"] == "User:admin"
+    assert set(env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(",")) == {
+        "CLIENT:SASL_PLAINTEXT",
+        "CONTROLLER:SASL_PLAINTEXT",
+    }
+    jaas = env["KAFKA_LISTENER_NAME_CLIENT_PLAIN_SASL_JAAS_CONFIG"]
+    for principal in PRINCIPALS:  # every principal of log/acls.py can log in, with a password from the environment
+        variable = "AGENTLOG_PASSWORD_" + principal.upper().replace("-", "_")
+        assert f'user_{principal}="${{{variable}}}"' in jaas
