@@ -144,8 +144,14 @@ class Scenario:
                 if all(s in book.records and book.records[s].state.finished for s in self.sessions):
                     # Re-read everything once more, from a fresh group, to check with a cold fold.
                     return await self.read(), resolved
-        logs = "\n".join(f"--- {n}\n{p.log_tail(30)}" for n, p in self.stack.processes.items())
-        raise AssertionError(f"sessions did not finish in {deadline_s} s\n{logs}")
+        states = "\n".join(
+            f"{s}: {r.state.status} llm={[(c, bool(x.completed)) for c, x in r.state.llm_calls.items()]} "
+            f"tools={[(c, t.status.value, t.attempts) for c, t in r.state.tool_calls.items()]} "
+            f"early={list(r.state.early)}"
+            for s, r in book.records.items()
+        )
+        logs = "\n".join(f"--- {n}\n{p.log_tail(60)}" for n, p in self.stack.processes.items())
+        raise AssertionError(f"sessions did not finish in {deadline_s} s\n{states}\n{logs}")
 
 
 CRASH_POINTS = [

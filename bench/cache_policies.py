@@ -1,0 +1,692 @@
+"""KV cache policies side by side: a trace-driven discrete-event simulation.
+
+Run::
+
+    python -m bench.cache_policies [--quick] [--csv FILE] [--png FILE] [--seed S]
+
+What runs
+---------
+Simulated time, no sleeps. One engine serves one LLM call at a time from a FIFO
+queue, against a ``PagedKVCache`` (GPU tier plus a host tier of the same size)
+charged by the default ``CostModel`` (Llama-3-8B on an A100; see
+``services/engine/cost.py``). Every policy gets the same cache sizes, cost model and
+workload; only the cache manager differs. A session's context is synthetic token ids
+(``TokenRun``: shared system prompts share ids, so they share blocks); each turn
+appends its prompt, the call generates its output, the tool (true trace duration)
+runs, and its result is appended before the next call. A call that does not fit
+(``OutOfBlocks``) asks the manager to make room; if it cannot, every pin is released
+(counted as ``forced``) and the call retried.
+
+Policies
+--------
+- ``vllm``: no cache manager; blocks go back to the LRU at the end of every call
+  (finished sessions included).
+- ``infercept``: at each tool gap, with the TRUE duration ``T``, the least waste of
+  preserve (``T * C``, block-seconds), swap (``2 * swap_s(C) * M``) and discard
+  (``recompute_s(C) * M``), ``C`` the session's blocks and ``M`` the GPU blocks held
+  (pinned plus ``C``). Preserve pins until ``now + T``; swap moves to the host;
+  discard frees the blocks to the LRU (on a prefix-caching engine the freed blocks
+  stay reusable until evicted: the charitable reading). Under pressure the pin that
+  returns last is evicted first.
+- ``continuum``: pin for the TTL ``tau`` maximizing ``F(tau) * (eta * T_queue +
+  reload_s) - tau`` (``F`` the learned tool-duration CDF, ``T_queue`` the measured
+  mean queueing delay, ``eta = 1``, ``reload_s`` the recompute time of the context;
+  candidates 0, a grid and the observed durations). ``continuum-2s``: a fixed 2 s
+  TTL. Under pressure the pin that expires last is released to the LRU first.
+- ``kvflow``: pin every waiting session; under pressure evict (swap if the host has
+  room, else release to the LRU) the one with the largest estimated time to its next call,
+  ``max(0, mean_T - elapsed)`` with ``mean_T`` the learned mean (no future knowledge).
+- ``ours``: ``services.cache.CachePolicy`` (survival score; see its docstring).
+- ``oracle``: Belady: pin every waiting session; under pressure evict the one whose
+  TRUE next call is farthest (swap if room, else release). The bound (for whole-session
+  eviction).
+
+"Release to the LRU" is how every manager evicts without host room: the session is
+unpinned and the engine evicts only the blocks it needs, the context's tail first, so
+the prefix survives (a lazy discard; discarding whole sessions did worse for all).
+
+Every manager but ``vllm`` learns tool durations online (from completed tools only)
+and discards a finished session's private blocks.
+
+Metrics
+-------
+``jct``: job completion time (session arrival to its last token), mean and p95;
+``recomp``: prompt tokens prefilled (not found on GPU or host); ``hit``: prompt
+tokens reused (GPU hits plus swapped in) over prompt tokens; ``swapGB``: bytes swapped
+out plus in; ``idleGBs``: GPU memory-time held by pinned idle sessions (GB-s,
+sampled at events); ``forced``: times every pin had to be dropped.
+
+Capacity is a fraction (25/50/75/100%) of the workload's peak working set: the
+largest, over call starts in an unconstrained run, of the blocks of every live
+session's context plus the call's reservation (never below the largest call).
+Arrival rates are offered loads (50% and 80%) of the engine's service time with a
+perfect cache (only appended tokens prefilled): what is lost to recomputation pushes
+the real load above that, and queueing shows it.
+Synthetic workloads use 50-token median outputs (tool-calling turns are short), so
+that more sessions are alive at once; the other generator settings are its defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import heapq
+import json
+import math
+import random
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from schemas.events import CacheAction, SessionId
+from services.cache import CachePolicy, Delays, MemoryState, Phase, SessionView, ToolLatencyModel
+from services.engine.blocks import BlockHash, hash_blocks
+from services.engine.cost import CostModel
+from services.engine.kv_cache import OutOfBlocks, PagedKVCache
+from services.programs.base import TokenRun
+from services.traces.infercept import from_infercept
+from services.traces.model import Trace, TraceSession, head
+from services.traces.stats import percentile
+from services.traces.synthetic import synthetic
+
+INFERCEPT_PATH = Path("/work/shared/traces/infercept_merged_exp_uniform.json")
+HUMAN_TOOLS = frozenset({"human"})
+_MS = 1000.0
+_GB = 1e9
+POLICIES = ("vllm", "infercept", "continuum", "continuum-2s", "kvflow", "ours", "oracle")
+
+
+# ------------------------------------------------------------------ simulation state
+
+
+@dataclass(slots=True)
+class Sess:
+    trace: TraceSession
+    sid: SessionId
+    turn: int = 0
+    tokens: list[int] = field(default_factory=list)
+    hashes: list[BlockHash] = field(default_factory=list)
+    phase: Phase = Phase.IDLE
+    tool: str | None = None
+    gap_started_at: float = 0.0
+    next_ready_at: float = 0.0  # true time of the next call's readiness (inf when finished)
+    ready_at: float = 0.0
+    finished_at: float | None = None
+
+    def append(self, run: TokenRun, block_size: int) -> None:
+        if run.count <= 0:
+            return
+        self.tokens.extend(run.token_ids())
+        done = len(self.hashes) * block_size
+        parent = self.hashes[-1] if self.hashes else None
+        self.hashes.extend(hash_blocks(self.tokens[done:], block_size, parent=parent))
+
+
+@dataclass(slots=True)
+class Metrics:
+    jct: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    swapped_in_blocks: int = 0
+    swapped_out_blocks: int = 0
+    idle_block_s: float = 0.0
+    forced: int = 0
+    peak_live_blocks: int = 0
+    max_call_blocks: int = 0
+
+
+class Sim:
+    """One run of one policy on one workload."""
+
+    def __init__(self, trace: Trace, manager: Manager, gpu_blocks: int, host_blocks: int, cost: CostModel) -> None:
+        self.cost = cost
+        self.bs = cost.block_size
+        self.cache = PagedKVCache(self.bs, gpu_blocks, host_blocks)
+        self.manager = manager
+        self.latency = ToolLatencyModel(prior_mean_s=5.0)
+        self.sessions = {SessionId(s.session_id): Sess(s, SessionId(s.session_id)) for s in trace}
+        self.queue: deque[SessionId] = deque()
+        self.busy_until = 0.0
+        self.queue_delay_s = 0.0
+        self.m = Metrics()
+        self._events: list[tuple[float, int, str, SessionId]] = []
+        self._seq = 0
+        self._last_t = 0.0
+        self._live: set[SessionId] = set()
+        manager.sim = self
+
+    def push(self, t: float, kind: str, sid: SessionId) -> None:
+        heapq.heappush(self._events, (t, self._seq, kind, sid))
+        self._seq += 1
+
+    def run(self) -> Metrics:
+        for s in self.sessions.values():
+            s.ready_at = s.trace.arrival_s
+            self.push(s.trace.arrival_s, "ready", s.sid)
+        while self._events:
+            t, _, kind, sid = heapq.heappop(self._events)
+            self.m.idle_block_s += (self.cache.num_gpu_blocks - self.cache.num_free_blocks) * (t - self._last_t)
+            self._last_t = t
+            expired = self.cache.expire(t)
+            if expired:
+                self.manager.on_expire(expired, t)
+            s = self.sessions[sid]
+            if kind == "ready":
+                self._ready(s, t)
+            else:
+                self._done(s, t)
+            if self.busy_until <= t and self.queue:
+                self._start(self.sessions[self.queue.popleft()], t)
+        self.m.swapped_out_blocks = self.cache.stats.num_swapped_out_blocks
+        return self.m
+
+    def _ready(self, s: Sess, t: float) -> None:
+        if s.turn == 0:
+            self._live.add(s.sid)
+        else:
+            prev = s.trace.turns[s.turn - 1]
+            assert prev.tool is not None and prev.tool_duration_s is not None
+            s.append(TokenRun(f"{s.sid}:r{s.turn - 1}", prev.tool_result_tokens or 0), self.bs)
+            self.latency.observe(prev.tool, prev.tool_duration_s)
+        s.phase, s.tool, s.ready_at = Phase.IDLE, None, t
+        turn = s.trace.turns[s.turn]
+        prefix = turn.shared_prefix if s.turn == 0 else None
+        own = turn.prompt_tokens
+        if prefix is not None:
+            s.append(TokenRun(prefix.context_id, prefix.tokens), self.bs)
+            own -= prefix.tokens
+        s.append(TokenRun(f"{s.sid}:p{s.turn}", own), self.bs)
+        self.queue.append(s.sid)
+        self.manager.on_ready(s, t)
+
+    def _start(self, s: Sess, t: float) -> None:
+        turn = s.trace.turns[s.turn]
+        n_prompt = len(s.tokens)
+        n_decode = turn.output_tokens - 1
+        prompt_hashes = s.hashes[: n_prompt // self.bs]
+        need = -(-(n_prompt + n_decode) // self.bs)
+        self.m.max_call_blocks = max(self.m.max_call_blocks, need)
+        live = sum(-(-len(self.sessions[x].tokens) // self.bs) for x in self._live if x != s.sid)
+        self.m.peak_live_blocks = max(self.m.peak_live_blocks, live + need)
+        self.queue_delay_s = 0.8 * self.queue_delay_s + 0.2 * (t - s.ready_at)
+        s.phase = Phase.LLM
+        while True:
+            try:
+                alloc = self.cache.begin_call(
+                    s.sid, prompt_hashes, num_prompt_tokens=n_prompt, num_decode_tokens=n_decode, now=t
+                )
+                break
+            except OutOfBlocks as error:
+                if error.session_id != s.sid or error.tier.value != "GPU":
+                    raise
+                if not self.manager.make_room(error.num_needed - error.num_available, t, s):
+                    if not self._release_all():
+                        raise
+                    self.m.forced += 1
+        s.append(TokenRun(f"{s.sid}:o{s.turn}", turn.output_tokens), self.bs)
+        n_computed = (n_prompt + n_decode) // self.bs
+        if n_computed > len(prompt_hashes):
+            self.cache.cache_blocks(s.sid, s.hashes[:n_computed])
+        ms = (
+            self.cost.swap_ms(alloc.num_swapped_in_blocks)
+            + self.cost.prefill_ms(alloc.num_computed_tokens, alloc.num_reused_tokens)
+            + self.cost.decode_ms(turn.output_tokens, n_prompt)
+        )
+        finished = t + ms / _MS
+        self.cache.end_call(s.sid, finished)
+        self.m.prompt_tokens += n_prompt
+        self.m.computed_tokens += alloc.num_computed_tokens
+        self.m.swapped_in_blocks += alloc.num_swapped_in_blocks
+        self.busy_until = finished
+        self.push(finished, "done", s.sid)
+
+    def _release_all(self) -> bool:
+        released = 0
+        for sid in self.cache.session_ids():
+            released += self.cache.release(sid)
+        return released > 0
+
+    def _done(self, s: Sess, t: float) -> None:
+        turn = s.trace.turns[s.turn]
+        s.turn += 1
+        if turn.tool is None:
+            s.phase, s.finished_at, s.next_ready_at = Phase.FINISHED, t, math.inf
+            self._live.discard(s.sid)
+            self.m.jct.append(t - s.trace.arrival_s)
+            self.manager.on_finish(s, t)
+            return
+        assert turn.tool_duration_s is not None
+        s.phase = Phase.HUMAN if turn.tool in HUMAN_TOOLS else Phase.TOOL
+        s.tool, s.gap_started_at = turn.tool, t
+        s.next_ready_at = t + turn.tool_duration_s
+        self.push(s.next_ready_at, "ready", s.sid)
+        self.manager.on_gap(s, t)
+
+    # helpers for managers
+    def gpu_blocks_of(self, sid: SessionId) -> int:
+        return len(self.cache.blocks_of(sid).gpu_block_ids)
+
+    def pinned(self) -> list[SessionId]:
+        return [sid for sid in self.cache.session_ids() if self.cache.blocks_of(sid).pinned]
+
+    def evict(self, sid: SessionId) -> None:
+        """Swap out if the host has room and swap-in is cheaper than recompute, else release to the LRU
+        (a lazy discard: the engine evicts only the blocks it needs, the context's tail first)."""
+        blocks = self.gpu_blocks_of(sid)
+        if 0 < blocks <= self.cache.num_free_host_blocks and self.cost.recompute_vs_swap(blocks) == "swap":
+            self.cache.swap_out(sid)
+        else:
+            self.cache.release(sid)
+
+
+# ------------------------------------------------------------------ managers
+
+
+class Manager:
+    name = "base"
+    sim: Sim
+
+    def on_ready(self, s: Sess, now: float) -> None:
+        pass
+
+    def on_gap(self, s: Sess, now: float) -> None:
+        pass
+
+    def on_finish(self, s: Sess, now: float) -> None:
+        self.sim.cache.discard(s.sid)
+
+    def on_expire(self, sids: list[SessionId], now: float) -> None:
+        pass
+
+    def make_room(self, needed: int, now: float, requester: Sess) -> bool:
+        return False
+
+    def _evict_by(self, key: Callable[[SessionId], float], requester: Sess, needed: int) -> bool:
+        """Evict pinned sessions, largest key first (ties by id), until ``needed`` blocks are freed."""
+        victims = sorted((s for s in self.sim.pinned() if s != requester.sid), key=lambda x: (-key(x), x))
+        freed = 0
+        for sid in victims:
+            if freed >= needed:
+                break
+            freed += self.sim.gpu_blocks_of(sid)
+            self.sim.evict(sid)
+        return freed > 0
+
+
+class VLLM(Manager):
+    name = "vllm"
+
+    def on_finish(self, s: Sess, now: float) -> None:
+        pass
+
+
+class InferCept(Manager):
+    name = "infercept"
+
+    def on_gap(self, s: Sess, now: float) -> None:
+        sim = self.sim
+        c = sim.gpu_blocks_of(s.sid)
+        if c == 0:
+            return
+        duration = s.next_ready_at - now
+        m = sim.cache.num_gpu_blocks - sim.cache.num_free_blocks + c
+        preserve = duration * c
+        discard = sim.cost.recompute_ms(c * sim.bs) / _MS * m
+        swap = 2 * sim.cost.swap_ms(c) / _MS * m if c <= sim.cache.num_free_host_blocks else math.inf
+        best = min(preserve, swap, discard)
+        if best == preserve:
+            sim.cache.pin(s.sid, until=s.next_ready_at)
+        elif best == swap:
+            sim.cache.swap_out(s.sid)
+        # discard: blocks stay in the LRU (freed, still cached)
+
+    def make_room(self, needed: int, now: float, requester: Sess) -> bool:
+        return self._evict_by(lambda sid: self.sim.sessions[sid].next_ready_at, requester, needed)
+
+
+class Continuum(Manager):
+    name = "continuum"
+    GRID = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+    def __init__(self, fixed_ttl_s: float | None = None, eta: float = 1.0) -> None:
+        self.fixed_ttl_s = fixed_ttl_s
+        self.eta = eta
+        if fixed_ttl_s is not None:
+            self.name = f"continuum-{fixed_ttl_s:g}s"
+
+    def ttl(self, s: Sess) -> float:
+        if self.fixed_ttl_s is not None:
+            return self.fixed_ttl_s
+        assert s.tool is not None
+        sim = self.sim
+        reload_s = sim.cost.recompute_ms(len(s.tokens)) / _MS
+        gain = self.eta * sim.queue_delay_s + reload_s
+        best, best_value = 0.0, 0.0
+        for tau in (*self.GRID, *sim.latency.quantiles(s.tool)):
+            value = sim.latency.cdf(s.tool, tau) * gain - tau
+            if value > best_value:
+                best, best_value = tau, value
+        return best
+
+    def on_gap(self, s: Sess, now: float) -> None:
+        tau = self.ttl(s)
+        if tau > 0:
+            self.sim.cache.pin(s.sid, until=now + tau)
+
+    def make_room(self, needed: int, now: float, requester: Sess) -> bool:
+        pinned = [sid for sid in self.sim.pinned() if sid != requester.sid]
+        pinned.sort(key=lambda sid: (-(self.sim.cache.blocks_of(sid).pin_until or math.inf), sid))
+        freed = 0
+        for sid in pinned:
+            if freed >= needed:
+                break
+            freed += self.sim.cache.release(sid)
+        return freed > 0
+
+
+class KVFlow(Manager):
+    name = "kvflow"
+
+    def on_gap(self, s: Sess, now: float) -> None:
+        self.sim.cache.pin(s.sid)
+
+    def estimate(self, sid: SessionId, now: float) -> float:
+        s = self.sim.sessions[sid]
+        if s.phase not in (Phase.TOOL, Phase.HUMAN) or s.tool is None:
+            return 0.0
+        return max(0.0, self.sim.latency.mean(s.tool) - (now - s.gap_started_at))
+
+    def make_room(self, needed: int, now: float, requester: Sess) -> bool:
+        return self._evict_by(lambda sid: self.estimate(sid, now), requester, needed)
+
+
+class Oracle(Manager):
+    name = "oracle"
+
+    def on_gap(self, s: Sess, now: float) -> None:
+        self.sim.cache.pin(s.sid)
+
+    def make_room(self, needed: int, now: float, requester: Sess) -> bool:
+        def next_reference(sid: SessionId) -> float:
+            s = self.sim.sessions[sid]
+            return s.next_ready_at if s.phase in (Phase.TOOL, Phase.HUMAN) else now
+
+        return self._evict_by(next_reference, requester, needed)
+
+
+class Ours(Manager):
+    name = "ours"
+
+    def __init__(self) -> None:
+        self.policy: CachePolicy | None = None
+
+    def _policy(self) -> CachePolicy:
+        if self.policy is None:
+            self.policy = CachePolicy(cost=self.sim.cost, latency=self.sim.latency)
+        return self.policy
+
+    def _view(self, sid: SessionId) -> SessionView:
+        s = self.sim.sessions[sid]
+        started = s.gap_started_at if s.phase in (Phase.TOOL, Phase.HUMAN) else None
+        return SessionView(
+            sid,
+            s.phase,
+            since=s.gap_started_at,
+            tool=s.tool,
+            tool_started_at=started,
+            context_tokens=len(s.tokens),
+            gpu_blocks=self.sim.gpu_blocks_of(sid),
+            turns=s.turn,
+        )
+
+    def _memory(self, needed: int, reclaimable: dict[SessionId, int] | None = None) -> MemoryState:
+        cache = self.sim.cache
+        return MemoryState(
+            gpu_total_blocks=cache.num_gpu_blocks,
+            gpu_free_blocks=cache.num_free_blocks,
+            host_free_blocks=cache.num_free_host_blocks,
+            needed_blocks=needed,
+            reclaimable=reclaimable,
+        )
+
+    def _apply(self, sids: list[SessionId], now: float, needed: int, evict_only: bool) -> bool:
+        views = [self._view(sid) for sid in sids]
+        reclaimable = {v.session_id: v.gpu_blocks for v in views} if evict_only else None
+        decisions = self._policy().decide(
+            views, now, self._memory(needed, reclaimable), Delays(queue_s=self.sim.queue_delay_s)
+        )
+        cache = self.sim.cache
+        acted = False
+        for d in decisions:
+            if d.action is CacheAction.PRESERVE and not evict_only:
+                assert d.ttl_s is not None
+                cache.pin(d.session_id, until=now + d.ttl_s)
+            elif d.action is CacheAction.RELEASE:
+                acted = cache.release(d.session_id) > 0 or acted
+            elif d.action is CacheAction.SWAP:
+                cache.swap_out(d.session_id)
+                acted = True
+            elif d.action is CacheAction.DISCARD:
+                cache.discard(d.session_id)
+                acted = True
+        return acted
+
+    def on_gap(self, s: Sess, now: float) -> None:
+        self._apply([s.sid], now, 0, evict_only=False)
+
+    def on_expire(self, sids: list[SessionId], now: float) -> None:
+        waiting = [sid for sid in sids if self.sim.sessions[sid].phase in (Phase.TOOL, Phase.HUMAN, Phase.IDLE)]
+        self._apply(waiting, now, 0, evict_only=False)
+
+    def make_room(self, needed: int, now: float, requester: Sess) -> bool:
+        pinned = [sid for sid in self.sim.pinned() if sid != requester.sid]
+        return self._apply(pinned, now, needed + self.sim.cache.num_free_blocks, evict_only=True)
+
+
+def make_manager(name: str) -> Manager:
+    factories: dict[str, Callable[[], Manager]] = {
+        "vllm": VLLM,
+        "infercept": InferCept,
+        "continuum": Continuum,
+        "continuum-2s": lambda: Continuum(fixed_ttl_s=2.0),
+        "kvflow": KVFlow,
+        "ours": Ours,
+        "oracle": Oracle,
+    }
+    return factories[name]()
+
+
+# ------------------------------------------------------------------ workloads and sweep
+
+
+def service_s(trace: Trace, cost: CostModel) -> float:
+    """Engine seconds per session with a perfect cache (each call prefills only what was
+    appended since the previous one: the tool result and the new prompt)."""
+    total = 0.0
+    for s in trace:
+        context = 0
+        pending = 0
+        for turn in s.turns:
+            new = pending + turn.prompt_tokens
+            total += cost.prefill_ms(new, context) + cost.decode_ms(turn.output_tokens, context + new)
+            context += new + turn.output_tokens
+            pending = turn.tool_result_tokens or 0
+    return total / _MS / max(1, len(trace))
+
+
+def workloads(quick: bool, seed: int) -> dict[str, Callable[[float], Trace]]:
+    n_infercept = 120 if quick else 397
+    n_synthetic = 50 if quick else 200
+    out: dict[str, Callable[[float], Trace]] = {}
+    if INFERCEPT_PATH.exists():
+        raw = json.loads(INFERCEPT_PATH.read_text())
+        out["infercept"] = lambda rate: head(
+            from_infercept(raw, arrival_rate_per_s=rate, rng=random.Random(seed)), n_infercept
+        )
+    else:
+        print(f"skipping the InferCept workload: {INFERCEPT_PATH} not found", file=sys.stderr)
+    for kind in ("lognormal", "pareto"):
+        out[f"synthetic-{kind}"] = lambda rate, kind=kind: synthetic(  # type: ignore[misc]
+            n_synthetic,
+            rng=random.Random(seed),
+            tool_duration=kind,
+            arrival_rate_per_s=rate,
+            median_output_tokens=50,
+            max_tool_duration_s=600.0,
+        )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    workload: str
+    load: float
+    rate: float
+    capacity: float
+    gpu_blocks: int
+    policy: str
+    mean_jct: float
+    p95_jct: float
+    recomputed: int
+    hit_rate: float
+    swap_gb: float
+    idle_gb_s: float
+    forced: int
+
+
+def run_one(trace: Trace, policy: str, gpu_blocks: int, cost: CostModel) -> Metrics:
+    return Sim(trace, make_manager(policy), gpu_blocks, gpu_blocks, cost).run()
+
+
+def sweep(quick: bool, seed: int, policies: tuple[str, ...]) -> list[Row]:
+    cost = CostModel()
+    rows: list[Row] = []
+    loads = (0.5, 0.8)
+    fractions = (0.25, 0.5, 0.75, 1.0)
+    for name, build in workloads(quick, seed).items():
+        per_session = service_s(build(1.0), cost)
+        for load in loads:
+            rate = load / per_session
+            trace = build(rate)
+            total = sum(-(-s.final_context_tokens // cost.block_size) for s in trace) + 1
+            probe = run_one(trace, "vllm", total, cost)
+            peak = probe.peak_live_blocks
+            for fraction in fractions:
+                blocks = max(round(fraction * peak), probe.max_call_blocks + 1)
+                for policy in policies:
+                    m = run_one(trace, policy, blocks, cost)
+                    rows.append(
+                        Row(
+                            workload=name,
+                            load=load,
+                            rate=rate,
+                            capacity=fraction,
+                            gpu_blocks=blocks,
+                            policy=policy,
+                            mean_jct=sum(m.jct) / len(m.jct),
+                            p95_jct=percentile(m.jct, 0.95),
+                            recomputed=m.computed_tokens,
+                            hit_rate=1 - m.computed_tokens / m.prompt_tokens if m.prompt_tokens else 0.0,
+                            swap_gb=(m.swapped_in_blocks + m.swapped_out_blocks) * cost.block_bytes / _GB,
+                            idle_gb_s=m.idle_block_s * cost.block_bytes / _GB,
+                            forced=m.forced,
+                        )
+                    )
+    return rows
+
+
+def print_tables(rows: list[Row]) -> None:
+    header = (
+        f"{'load':>4} {'cap':>4} {'blocks':>6} {'policy':<13} {'meanJCT':>8} {'p95JCT':>8} "
+        f"{'recomp':>9} {'hit':>5} {'swapGB':>7} {'idleGBs':>8} {'forced':>6}"
+    )
+    for workload in dict.fromkeys(r.workload for r in rows):
+        print(f"\n== {workload} ==")
+        print(header)
+        for r in (r for r in rows if r.workload == workload):
+            print(
+                f"{r.load:>4.1f} {r.capacity:>4.0%} {r.gpu_blocks:>6} {r.policy:<13} {r.mean_jct:>8.2f} "
+                f"{r.p95_jct:>8.2f} {r.recomputed:>9} {r.hit_rate:>5.1%} {r.swap_gb:>7.2f} "
+                f"{r.idle_gb_s:>8.1f} {r.forced:>6}"
+            )
+    print("\n== ours vs the best non-oracle baseline (mean JCT, s) ==")
+    groups: dict[tuple[str, float, float], dict[str, float]] = {}
+    for r in rows:
+        groups.setdefault((r.workload, r.load, r.capacity), {})[r.policy] = r.mean_jct
+    for (workload, load, capacity), jct in groups.items():
+        if "ours" not in jct:
+            continue
+        others = {p: v for p, v in jct.items() if p not in ("ours", "oracle")}
+        best = min(others, key=lambda p: others[p]) if others else None
+        verdict = "n/a"
+        if best is not None:
+            gap = (jct["ours"] - others[best]) / others[best]
+            verdict = "tie (within 0.1%)" if abs(gap) <= 1e-3 else ("WINS" if gap < 0 else "loses")
+            verdict += f" {gap:+.2%}"
+        best_text = "" if best is None else f"best baseline {best} {others[best]:.2f}"
+        print(f"{workload:<20} load {load:.1f} cap {capacity:>4.0%}: ours {jct['ours']:.2f} {best_text} -> {verdict}")
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(Row.__slots__)
+        for r in rows:
+            writer.writerow([getattr(r, name) for name in Row.__slots__])
+
+
+def write_png(rows: list[Row], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: skipping the plot {path}", file=sys.stderr)
+        return
+    keys = list(dict.fromkeys((r.workload, r.load) for r in rows))
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.5), squeeze=False)
+    for ax, (workload, load) in zip(axes[0], keys, strict=True):
+        for policy in dict.fromkeys(r.policy for r in rows):
+            pts = sorted(
+                (1 - r.capacity, r.mean_jct) for r in rows if (r.workload, r.load, r.policy) == (workload, load, policy)
+            )
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+        ax.set_title(f"{workload}, load {load:g}")
+        ax.set_xlabel("memory pressure (1 - capacity / peak)")
+        ax.set_ylabel("mean JCT (s)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sessions (under ~2 minutes)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--csv", type=Path, help="write every row to this CSV file")
+    parser.add_argument("--png", type=Path, help="plot mean JCT vs memory pressure (needs matplotlib)")
+    parser.add_argument(
+        "--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES)
+    )
+    args = parser.parse_args(argv)
+    policies = tuple(p for p in args.policies.split(",") if p)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        parser.error(f"unknown policies {unknown}")
+    started = time.perf_counter()
+    rows = sweep(args.quick, args.seed, policies)
+    print_tables(rows)
+    if args.csv:
+        write_csv(rows, args.csv)
+    if args.png:
+        write_png(rows, args.png)
+    print(f"\n{len(rows)} runs in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,209 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from schemas.events import (
+    CacheAction,
+    EffectClass,
+    KVBlocksRemoved,
+    KVBlocksStored,
+    KVTier,
+    LLMCallCompleted,
+    LLMCallStarted,
+    SessionFinished,
+    SessionId,
+    ToolCallCompleted,
+    ToolCallProposed,
+    ToolCallStarted,
+)
+from services.cache import (
+    CachePolicy,
+    CacheViewBuilder,
+    Delays,
+    MemoryState,
+    Phase,
+    PolicyConfig,
+    SessionView,
+    ToolLatencyModel,
+)
+
+S = SessionId
+
+
+# ------------------------------------------------------------------ latency model
+
+
+def test_unseen_tool_answers_the_prior() -> None:
+    model = ToolLatencyModel(prior_mean_s=5.0)
+    assert model.mean("x") == 5.0
+    assert model.mean_residual_life("x", 100.0) == 5.0
+    assert model.cdf("x", 5.0) == pytest.approx(1 - math.exp(-1))
+
+
+def test_mean_residual_life_blends_samples_and_prior() -> None:
+    model = ToolLatencyModel(prior_mean_s=5.0, prior_weight=1.0)
+    for d in (3.0, 1.0, 2.0):
+        model.observe("search", d)
+    assert model.mean("search") == pytest.approx((6.0 + 5.0) / 4)
+    prior_mass = math.exp(-2.5 / 5.0)
+    assert model.mean_residual_life("search", 2.5) == pytest.approx((0.5 + prior_mass * 5.0) / (1 + prior_mass))
+    # Past every sample, only the prior answers.
+    assert model.mean_residual_life("search", 10.0) == pytest.approx(5.0)
+    assert model.cdf("search", 2.0) == pytest.approx((2 + (1 - math.exp(-0.4))) / 4)
+    assert model.quantiles("search") == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError):
+        model.observe("search", -1.0)
+
+
+# ------------------------------------------------------------------ view builder
+
+
+def test_builder_folds_a_turn() -> None:
+    b = CacheViewBuilder(latency=ToolLatencyModel())
+    sid = S("s")
+    b.apply(sid, LLMCallStarted(call_id="l0", turn=0, engine_id="e", prompt_tokens=100, max_output_tokens=50,
+                                prompt_digest="d"), 1.0)  # fmt: skip
+    assert b.view(sid).phase is Phase.LLM and b.view(sid).turns == 1
+    b.apply(sid, KVBlocksStored(engine_id="e", block_hashes=["a", "b", "c"], num_tokens=48, block_size=16,
+                                tier=KVTier.GPU), 1.5)  # fmt: skip
+    b.apply(sid, LLMCallCompleted(call_id="l0", engine_id="e", prompt_tokens=100, cached_tokens=0, output_tokens=20,
+                                  output_text="", finish_reason="stop", queue_ms=500.0, prefill_ms=100.0,
+                                  decode_ms=900.0), 2.0)  # fmt: skip
+    v = b.view(sid)
+    assert (v.phase, v.context_tokens, v.gpu_blocks, v.attained_service_s) == (Phase.IDLE, 120, 3, 1.0)
+    assert b.queue_delay_s == pytest.approx(0.1)
+    b.apply(sid, ToolCallProposed(call_id="t0", tool="search", arguments_json="{}", effect_class=EffectClass.PURE,
+                                  idempotency_key="k"), 2.0)  # fmt: skip
+    assert b.view(sid).phase is Phase.TOOL and b.view(sid).tool == "search"
+    b.apply(sid, ToolCallStarted(call_id="t0", tool="search", idempotency_key="k", attempt=1), 2.5)
+    assert b.view(sid).tool_started_at == 2.5
+    assert b.verdict_delay_s == pytest.approx(0.1)
+    b.apply(sid, KVBlocksRemoved(engine_id="e", block_hashes=["c"], tier=KVTier.GPU), 3.0)
+    b.apply(sid, KVBlocksStored(engine_id="e", block_hashes=["c"], num_tokens=16, block_size=16, tier=KVTier.CPU), 3.0)
+    assert (b.view(sid).gpu_blocks, b.view(sid).host_blocks) == (2, 1)
+    b.apply(sid, ToolCallCompleted(call_id="t0", result_json="{}", result_tokens=30, duration_ms=4000.0), 6.5)
+    v = b.view(sid)
+    assert (v.phase, v.context_tokens, v.tool) == (Phase.IDLE, 150, None)
+    assert b.latency.quantiles("search") == [4.0]
+    b.apply(sid, ToolCallProposed(call_id="t1", tool="human", arguments_json="{}", effect_class=EffectClass.PURE,
+                                  idempotency_key="k1"), 7.0)  # fmt: skip
+    assert b.view(sid).phase is Phase.HUMAN
+    b.apply(sid, SessionFinished(output_json="{}", num_llm_calls=1, num_tool_calls=1), 8.0)
+    assert b.view(sid).phase is Phase.FINISHED
+
+
+# ------------------------------------------------------------------ policy
+
+
+def _views() -> list[SessionView]:
+    return [
+        SessionView(S("a"), Phase.TOOL, since=0.0, tool="search", tool_started_at=0.0, gpu_blocks=10),
+        SessionView(S("b"), Phase.HUMAN, since=0.0, tool="human", tool_started_at=0.0, gpu_blocks=10),
+        SessionView(S("c"), Phase.FINISHED, since=0.0, gpu_blocks=4),
+        SessionView(S("d"), Phase.LLM, since=0.0, gpu_blocks=8),
+        SessionView(S("e"), Phase.IDLE, since=0.0, gpu_blocks=2),
+    ]
+
+
+def _policy() -> CachePolicy:
+    return CachePolicy(latency=ToolLatencyModel(prior_mean_s=5.0))
+
+
+def test_next_reference_distance() -> None:
+    p = _policy()
+    a, b, c, d, e = _views()
+    delays = Delays(queue_s=0.5, verdict_s=1.0)
+    assert p.next_reference_s(a, 1.0, delays) == pytest.approx(5.5)
+    assert p.next_reference_s(b, 1.0, delays) == pytest.approx(60.5)  # a human is slow
+    assert p.next_reference_s(c, 1.0, delays) == math.inf
+    assert p.next_reference_s(d, 1.0, delays) == 0.0
+    assert p.next_reference_s(e, 1.0, delays) == 0.5
+    proposed = SessionView(S("f"), Phase.TOOL, since=0.0, tool="search")  # verdict pending, 0.25 s in
+    assert p.next_reference_s(proposed, 0.25, delays) == pytest.approx(0.75 + 5.0 + 0.5)
+
+
+def test_score_is_benefit_per_byte_second() -> None:
+    p = _policy()
+    a, b, c, _, _ = _views()
+    gb = 10 * p.cost.block_bytes / 1e9
+    assert p.score(a, 1.0, 0) == pytest.approx(p.cost.recompute_ms(160) / (gb * 5.0))
+    assert p.score(a, 1.0, 100) == pytest.approx(p.cost.swap_ms(10) / (gb * 5.0))
+    assert p.score(b, 1.0, 0) == pytest.approx(0.9 * p.cost.recompute_ms(160) / (gb * 60.0))
+    assert p.score(c, 1.0, 0) == 0.0
+
+
+def test_decide_evicts_lowest_score_first_and_preserves_the_rest() -> None:
+    p = _policy()
+    memory = MemoryState(gpu_total_blocks=100, gpu_free_blocks=10, host_free_blocks=0, needed_blocks=25)
+    got = [(d.session_id, d.action, d.ttl_s) for d in p.decide(_views(), 1.0, memory)]
+    assert got == [
+        ("c", CacheAction.DISCARD, None),  # finished
+        ("b", CacheAction.RELEASE, None),  # human: lowest score, no host room: to the LRU
+        ("a", CacheAction.RELEASE, None),  # deficit 15 - 4 - 10 = 1 left
+        ("e", CacheAction.PRESERVE, 1.0),  # next call imminent: min TTL
+    ]
+
+
+def test_decide_swaps_when_the_host_has_room() -> None:
+    p = _policy()
+    memory = MemoryState(gpu_total_blocks=100, gpu_free_blocks=10, host_free_blocks=15, needed_blocks=25)
+    got = [(d.session_id, d.action) for d in p.decide(_views(), 1.0, memory)]
+    # b takes 10 of the 15 host slots; a (10 blocks) no longer fits: released to the LRU.
+    assert got == [
+        ("c", CacheAction.DISCARD),
+        ("b", CacheAction.SWAP),
+        ("a", CacheAction.RELEASE),
+        ("e", CacheAction.PRESERVE),
+    ]
+
+
+def test_decide_without_deficit_adapts_the_horizon_to_pressure() -> None:
+    p = CachePolicy(latency=ToolLatencyModel(prior_mean_s=5.0), config=PolicyConfig(max_horizon_s=100.0))
+    low = MemoryState(gpu_total_blocks=100, gpu_free_blocks=90)  # horizon 90 s: the human's 60 s fits
+    got = [(d.session_id, d.action, d.ttl_s) for d in p.decide(_views(), 1.0, low)]
+    assert got == [
+        ("c", CacheAction.DISCARD, None),
+        ("b", CacheAction.PRESERVE, 120.0),
+        ("a", CacheAction.PRESERVE, 10.0),
+        ("e", CacheAction.PRESERVE, 1.0),
+    ]
+    high = MemoryState(gpu_total_blocks=100, gpu_free_blocks=30)  # horizon 30 s
+    got = [(d.session_id, d.action) for d in p.decide(_views(), 1.0, high)]
+    assert got == [
+        ("c", CacheAction.DISCARD),
+        ("b", CacheAction.RELEASE),
+        ("a", CacheAction.PRESERVE),
+        ("e", CacheAction.PRESERVE),
+    ]
+    offload = MemoryState(gpu_total_blocks=100, gpu_free_blocks=30, host_free_blocks=10)  # room for b on the host
+    got = [(d.session_id, d.action) for d in p.decide(_views(), 1.0, offload)]
+    assert got == [
+        ("c", CacheAction.DISCARD),
+        ("b", CacheAction.SWAP),
+        ("a", CacheAction.PRESERVE),
+        ("e", CacheAction.PRESERVE),
+    ]
+
+
+def test_decide_counts_only_reclaimable_blocks_and_breaks_ties_by_id() -> None:
+    p = _policy()
+    views = [
+        SessionView(S("y"), Phase.TOOL, tool="t", tool_started_at=0.0, gpu_blocks=5),
+        SessionView(S("x"), Phase.TOOL, tool="t", tool_started_at=0.0, gpu_blocks=5),
+    ]
+    memory = MemoryState(gpu_total_blocks=20, gpu_free_blocks=0, needed_blocks=5, reclaimable={S("y"): 5})
+    got = [(d.session_id, d.action) for d in p.decide(views, 0.0, memory)]
+    # x first (tie on score), but its blocks are already evictable: y must go too.
+    assert got == [("x", CacheAction.RELEASE), ("y", CacheAction.RELEASE)]
+
+
+def test_decision_event() -> None:
+    p = _policy()
+    memory = MemoryState(gpu_total_blocks=100, gpu_free_blocks=90)
+    decisions = p.decide(_views(), 1.0, memory)
+    finished = decisions[0].to_event("e0")
+    assert finished.action is CacheAction.DISCARD and finished.next_reference_ms is None
+    kept = decisions[-1].to_event("e0")
+    assert kept.ttl_ms == 1000 and kept.num_blocks == 2
