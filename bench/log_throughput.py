@@ -3,9 +3,18 @@
 Run::
 
     python -m bench.log_throughput [--events N] [--bootstrap HOST:PORT] [--partitions 4] [--json FILE]
+                                   [--secure-compare | --no-secure-compare]
 
 Without ``--bootstrap`` (and without ``KAFKA_BOOTSTRAP_SERVERS``) a local
 single-node broker is started for the run and stopped afterwards.
+
+Secure mode (``--secure-compare``, on by default when the bench starts its own
+broker): the same rounds run a second time against a local *secure* broker
+(SASL/PLAIN, StandardAuthorizer with the ACLs of ``log.acls``), and the table
+gets secure columns and the secure/plaintext ratios. There the admin principal
+creates each namespace's topics and applies its ACLs; the appending SharedLog
+and the raw producer log in as ``planner``, the consuming ones as ``auditor``
+in a group of the ``auditor`` prefix (``log.acls``: the only groups it may use).
 
 What is measured, and why
 -------------------------
@@ -70,6 +79,7 @@ from kafka.errors import KafkaError
 from kafka.record import util as kafka_record_util
 
 from log import Draft, RawRecord, SharedLog
+from log.acls import ADMIN, init_secure_log
 from log.chain import ChainVerifier
 from log.codec import Codec
 from log.kafka_backend import KafkaBackend
@@ -93,6 +103,12 @@ APPEND_BATCH = 2000
 POLL_RECORDS = 2000
 STALL_TIMEOUT_S = 60.0
 TOPIC = AGENT_ACTIONS.name
+# Principals of a secure broker (log.acls): planner owns agent.actions; the auditor reads
+# everything, with consumer groups whose names start with "auditor".
+WRITER = "planner"
+READER = "auditor"
+GROUP = "auditor-bench"
+"""Logical consumer group of both consumers; physical ``<namespace>.auditor-bench``, as KafkaBackend names groups."""
 # Producer settings copied from the agentlog producer, so raw sends the way agentlog does.
 PRODUCER_KEYS = ("acks", "enable_idempotence", "linger_ms", "batch_size", "compression_type")
 
@@ -300,23 +316,63 @@ class Namespaces:
         return cls(f"{run}-agentlog", f"{run}-raw")
 
 
-def _group(namespace: str) -> str:
-    return f"{namespace}.consume"
+@dataclass(frozen=True)
+class Cluster:
+    """A broker and the kafka-python client settings of each role the bench plays on it.
+
+    ``admin`` creates and deletes topics (and, when ``secure``, applies ACLs);
+    ``writer`` appends, ``reader`` consumes. On a plaintext broker all three are
+    the same settings (``$AGENTLOG_KAFKA_*``, usually none).
+    """
+
+    mode: str
+    bootstrap: str
+    admin: dict[str, Any]
+    writer: dict[str, Any]
+    reader: dict[str, Any]
+    secure: bool = False
+
+    @classmethod
+    def plaintext(cls, bootstrap: str) -> Cluster:
+        config = KafkaBackend(bootstrap).client_config
+        return cls("plaintext", bootstrap, config, config, config)
+
+    @classmethod
+    def of_secure_broker(cls, broker: LocalKafkaBroker) -> Cluster:
+        credentials = broker.credentials
+        return cls(
+            "secure",
+            broker.bootstrap_servers,
+            admin=credentials.client_configs(ADMIN),
+            writer=credentials.client_configs(WRITER),
+            reader=credentials.client_configs(READER),
+            secure=True,
+        )
+
+    def backend(self, namespace: str, client_config: dict[str, Any]) -> KafkaBackend:
+        return KafkaBackend(self.bootstrap, namespace=namespace, client_config=client_config)
 
 
-async def create_namespace(bootstrap: str, namespace: str, partitions: int) -> str:
-    """Create every log topic under ``namespace``; return the physical agent.actions topic."""
-    backend = KafkaBackend(bootstrap, namespace=namespace)
-    await backend.create_topics(partitions)
+def physical_group(namespace: str) -> str:
+    return f"{namespace}.{GROUP}"
+
+
+async def create_namespace(cluster: Cluster, namespace: str, partitions: int) -> str:
+    """Create every log topic under ``namespace`` (and its ACLs, if secure); return the physical agent.actions topic."""
+    backend = cluster.backend(namespace, cluster.admin)
+    if cluster.secure:
+        await init_secure_log(cluster.bootstrap, cluster.admin, namespace=namespace, num_partitions=partitions)
+    else:
+        await backend.create_topics(partitions)
     return backend.physical(TOPIC)
 
 
-def delete_namespaces(bootstrap: str, namespaces: Sequence[str]) -> None:
+def delete_namespaces(cluster: Cluster, namespaces: Sequence[str]) -> None:
     """Best effort: drop the run's topics and consumer groups so the broker does not fill up."""
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, **KafkaBackend(bootstrap).client_config)
+    admin = KafkaAdminClient(bootstrap_servers=cluster.bootstrap, **cluster.admin)
     try:
         prefixes = tuple(f"{ns}." for ns in namespaces)
-        admin.delete_groups([_group(ns) for ns in namespaces])  # returns per-group errors; none matter
+        admin.delete_groups([physical_group(ns) for ns in namespaces])  # returns per-group errors; none matter
         topics = [t for t in admin.list_topics() if t.startswith(prefixes)]
         if topics:
             admin.delete_topics(topics)
@@ -344,10 +400,10 @@ async def _read_back(log: SharedLog) -> list[RawRecord]:
 
 
 async def agentlog_append(
-    bootstrap: str, namespace: str, drafts: Sequence[Draft], profiler: Profiler
+    cluster: Cluster, namespace: str, drafts: Sequence[Draft], profiler: Profiler
 ) -> tuple[Timing, list[RawRecord], dict[str, Any]]:
     """Append all drafts; returns the timing, the records as written, and the producer settings."""
-    async with SharedLog(KafkaBackend(bootstrap, namespace=namespace), actor="planner") as log:
+    async with SharedLog(cluster.backend(namespace, cluster.writer), actor=WRITER) as log:
         freeze_heap()
         with profiler.phase("agentlog_append"):
             start = time.perf_counter()
@@ -379,15 +435,15 @@ def raw_append(
 
 
 async def agentlog_consume(
-    bootstrap: str, namespace: str, num_events: int, num_bytes: int, profiler: Profiler
+    cluster: Cluster, namespace: str, num_events: int, num_bytes: int, profiler: Profiler
 ) -> Timing:
     """An EventConsumer in a new group, from the beginning, until ``num_events`` verified events.
 
     The events are the records appended before, so their size is ``num_bytes``.
     """
     async with (
-        SharedLog(KafkaBackend(bootstrap, namespace=namespace), actor="auditor") as log,
-        log.consumer(_group(namespace), [TOPIC], from_beginning=True) as consumer,
+        SharedLog(cluster.backend(namespace, cluster.reader), actor=READER) as log,
+        log.consumer(GROUP, [TOPIC], from_beginning=True) as consumer,
     ):
         freeze_heap()
         progress = Progress(num_events)
@@ -400,14 +456,14 @@ async def agentlog_consume(
     return progress.timing(num_bytes)
 
 
-def raw_consume(bootstrap: str, topic: str, group: str, num_events: int, profiler: Profiler) -> Timing:
+def raw_consume(cluster: Cluster, topic: str, group: str, num_events: int, profiler: Profiler) -> Timing:
     """A KafkaConsumer in a new group, from the beginning, until ``num_events`` raw records."""
     consumer = KafkaConsumer(
-        bootstrap_servers=bootstrap,
+        bootstrap_servers=cluster.bootstrap,
         group_id=group,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
-        **KafkaBackend(bootstrap).client_config,
+        **cluster.reader,
     )
     try:
         consumer.subscribe([topic])
@@ -474,26 +530,35 @@ def decode_verify(records: Sequence[RawRecord]) -> Timing:
 # ----------------------------------------------------------------------- run
 
 
-def run_round(bootstrap: str, drafts: Sequence[Draft], partitions: int, label: str, profiler: Profiler) -> list[Phase]:
-    """Every phase once on both sides, in fresh namespaces (deleted afterwards)."""
-    ns = Namespaces.fresh(label)
+def run_round(
+    cluster: Cluster,
+    drafts: Sequence[Draft],
+    partitions: int,
+    label: str,
+    profiler: Profiler,
+    *,
+    in_memory: bool = True,
+) -> list[Phase]:
+    """Every phase once on both sides, in fresh namespaces (deleted afterwards).
+
+    ``in_memory``: also measure decode+verify (no I/O, so once per run is enough).
+    """
+    ns = Namespaces.fresh(f"{label}-{cluster.mode}")
     try:
-        asyncio.run(create_namespace(bootstrap, ns.agentlog, partitions))
-        raw_topic = asyncio.run(create_namespace(bootstrap, ns.raw, partitions))
+        asyncio.run(create_namespace(cluster, ns.agentlog, partitions))
+        raw_topic = asyncio.run(create_namespace(cluster, ns.raw, partitions))
         # Order: agentlog appends first (raw sends the bytes it wrote), raw consumes first.
-        agentlog_add, records, settings = asyncio.run(agentlog_append(bootstrap, ns.agentlog, drafts, profiler))
-        raw_add = raw_append(bootstrap, raw_topic, send_order(drafts, records), settings, profiler)
-        raw_read = raw_consume(bootstrap, raw_topic, _group(ns.raw), len(drafts), profiler)
-        agentlog_read = asyncio.run(agentlog_consume(bootstrap, ns.agentlog, len(drafts), agentlog_add.bytes, profiler))
-        in_memory = decode_verify(records)
+        agentlog_add, records, settings = asyncio.run(agentlog_append(cluster, ns.agentlog, drafts, profiler))
+        raw_add = raw_append(cluster.bootstrap, raw_topic, send_order(drafts, records), settings, profiler)
+        raw_read = raw_consume(cluster, raw_topic, physical_group(ns.raw), len(drafts), profiler)
+        agentlog_read = asyncio.run(agentlog_consume(cluster, ns.agentlog, len(drafts), agentlog_add.bytes, profiler))
+        phases = [Phase("append", agentlog_add, raw_add), Phase("consume", agentlog_read, raw_read)]
+        if in_memory:
+            phases.append(Phase("decode+verify", decode_verify(records)))
     finally:
         gc.unfreeze()
-        delete_namespaces(bootstrap, [ns.agentlog, ns.raw])
-    return [
-        Phase("append", agentlog_add, raw_add),
-        Phase("consume", agentlog_read, raw_read),
-        Phase("decode+verify", in_memory),
-    ]
+        delete_namespaces(cluster, [ns.agentlog, ns.raw])
+    return phases
 
 
 def machine() -> dict[str, Any]:
@@ -509,15 +574,61 @@ def machine() -> dict[str, Any]:
     }
 
 
-def format_table(phases: Sequence[Phase], num_events: int, partitions: int, info: dict[str, Any]) -> str:
+def _rate(timing: Timing | None) -> str:
+    return "-" if timing is None else f"{timing.events_per_s:,.0f}"
+
+
+def _ratio(num: Timing | None, den: Timing | None) -> str:
+    return "-" if num is None or den is None else f"{num.events_per_s / den.events_per_s:.2f}"
+
+
+def _first_fetch(phases: Sequence[Phase]) -> str | None:
+    consume = next((p for p in phases if p.name == "consume"), None)
+    if consume is None or consume.raw is None:
+        return None
+    return f"{consume.agentlog.first_s or 0:.2f}s agentlog, {consume.raw.first_s or 0:.2f}s raw"
+
+
+def format_table(
+    phases: Sequence[Phase],
+    num_events: int,
+    partitions: int,
+    info: dict[str, Any],
+    secure: Sequence[Phase] | None = None,
+) -> str:
+    """The plaintext columns; with ``secure``, the secure broker's and the secure/plaintext ratios beside them."""
     total = phases[0].agentlog.bytes
-    header = ("", "agentlog ev/s", "agentlog MB/s", "raw ev/s", "raw MB/s", "agentlog/raw")
+    # (title, number of columns) over the header: only printed with the secure columns.
+    groups = [("", 1), ("plaintext", 5)]
+    header = ["", "agentlog ev/s", "agentlog MB/s", "raw ev/s", "raw MB/s", "agentlog/raw"]
+    if secure is not None:
+        groups += [("secure (SASL/PLAIN + ACLs)", 3), ("secure/plaintext", 2)]
+        header += ["agentlog ev/s", "raw ev/s", "agentlog/raw", "agentlog", "raw"]
+    secure_by_name = {p.name: p for p in secure or ()}
     rows = [header]
     for p in phases:
-        raw = ("-", "-") if p.raw is None else (f"{p.raw.events_per_s:,.0f}", f"{p.raw.mb_per_s:.1f}")
+        raw = ("-", "-") if p.raw is None else (_rate(p.raw), f"{p.raw.mb_per_s:.1f}")
         ratio = "-" if p.ratio is None else f"{p.ratio:.2f}"
-        rows.append((p.name, f"{p.agentlog.events_per_s:,.0f}", f"{p.agentlog.mb_per_s:.1f}", *raw, ratio))
+        row = [p.name, _rate(p.agentlog), f"{p.agentlog.mb_per_s:.1f}", *raw, ratio]
+        if secure is not None:
+            s = secure_by_name.get(p.name)
+            s_agentlog, s_raw = (None, None) if s is None else (s.agentlog, s.raw)
+            row += [
+                _rate(s_agentlog),
+                _rate(s_raw),
+                _ratio(s_agentlog, s_raw),
+                _ratio(s_agentlog, p.agentlog),
+                _ratio(s_raw, p.raw),
+            ]
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    # A group title wider than its columns widens its last column.
+    first = 0
+    for title, span in groups:
+        last = first + span - 1
+        spanned = sum(widths[first : last + 1]) + 2 * (span - 1)
+        widths[last] += max(0, len(title) - spanned)
+        first += span
     lines = [
         f"N = {num_events:,} events on {TOPIC}, {partitions} partitions, {total / 1e6:.1f} MB of record values "
         f"({total / num_events:.0f} B/event); MB = 10^6 B of values",
@@ -525,41 +636,91 @@ def format_table(phases: Sequence[Phase], num_events: int, partitions: int, info
         f"(CRC-32C: {info['crc32c']}), {info['platform']}",
         "",
     ]
+    if secure is not None:
+        titles = []
+        first = 0
+        for title, span in groups:
+            titles.append(title.ljust(sum(widths[first : first + span]) + 2 * (span - 1)))
+            first += span
+        lines.append("  ".join(titles).rstrip())
     for row in rows:
         cells = [row[0].ljust(widths[0]), *(cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True))]
         lines.append("  ".join(cells))
     lines.append("decode+verify: Codec.decode + ChainVerifier.verify in memory, no I/O")
-    consume = next((p for p in phases if p.name == "consume"), None)
-    if consume is not None and consume.raw is not None:
+    plain_first = _first_fetch(phases)
+    if plain_first is not None:
+        lines.append(f"consume includes the group join and first fetch: {plain_first}")
+    if secure is not None:
+        secure_first = _first_fetch(secure)
+        if secure_first is not None:
+            lines.append(f"  secure: {secure_first}")
         lines.append(
-            f"consume includes the group join and first fetch: {consume.agentlog.first_s or 0:.2f}s agentlog, "
-            f"{consume.raw.first_s or 0:.2f}s raw"
+            f"secure: SASL/PLAIN (no TLS) + StandardAuthorizer ACLs; appends as {WRITER}, "
+            f"consumes as {READER} (group {GROUP}); secure/plaintext > 1 means secure is faster"
         )
     return "\n".join(lines)
 
 
-def to_json(phases: Sequence[Phase], num_events: int, partitions: int, info: dict[str, Any]) -> dict[str, Any]:
+def to_json(
+    phases: Sequence[Phase],
+    num_events: int,
+    partitions: int,
+    info: dict[str, Any],
+    secure: Sequence[Phase] | None = None,
+) -> dict[str, Any]:
     def timing(t: Timing | None) -> dict[str, Any] | None:
         return None if t is None else {**asdict(t), "events_per_s": t.events_per_s, "mb_per_s": t.mb_per_s}
 
-    return {
-        "events": num_events,
-        "partitions": partitions,
-        "machine": info,
-        "phases": {p.name: {"agentlog": timing(p.agentlog), "raw": timing(p.raw), "ratio": p.ratio} for p in phases},
-    }
+    def table(ps: Sequence[Phase]) -> dict[str, Any]:
+        return {p.name: {"agentlog": timing(p.agentlog), "raw": timing(p.raw), "ratio": p.ratio} for p in ps}
+
+    out = {"events": num_events, "partitions": partitions, "machine": info, "phases": table(phases)}
+    if secure is not None:
+        plain = {p.name: p for p in phases}
+
+        def vs_plain(s: Timing | None, p: Timing | None) -> float | None:
+            return None if s is None or p is None else s.events_per_s / p.events_per_s
+
+        out["secure"] = {
+            "principals": {"writer": WRITER, "reader": READER, "group": GROUP},
+            "phases": table(secure),
+            "secure_over_plaintext": {
+                s.name: {
+                    "agentlog": vs_plain(s.agentlog, plain[s.name].agentlog),
+                    "raw": vs_plain(s.raw, plain[s.name].raw),
+                }
+                for s in secure
+                if s.name in plain
+            },
+        }
+    return out
 
 
 @contextlib.contextmanager
 def broker_address(bootstrap: str | None) -> Iterator[str]:
     """``bootstrap``, else $KAFKA_BOOTSTRAP_SERVERS, else a local broker for the duration."""
-    address = bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    address = given_address(bootstrap)
     if address:
         yield address
         return
     print("starting a local Kafka broker ...", file=sys.stderr)
     with LocalKafkaBroker() as broker:
         yield broker.bootstrap_servers
+
+
+def given_address(bootstrap: str | None) -> str | None:
+    return bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or None
+
+
+@contextlib.contextmanager
+def secure_cluster(enabled: bool) -> Iterator[Cluster | None]:
+    """A local secure broker (SASL/PLAIN + ACLs) for the duration, or None."""
+    if not enabled:
+        yield None
+        return
+    print("starting a local secure Kafka broker (SASL/PLAIN + ACLs) ...", file=sys.stderr)
+    with LocalKafkaBroker(secure=True) as broker:
+        yield Cluster.of_secure_broker(broker)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -569,6 +730,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS, help="default %(default)s")
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="warm-up events (0: none)")
     parser.add_argument("--json", type=Path, help="also write the numbers to this file")
+    parser.add_argument(
+        "--secure-compare",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run against a local secure broker (SASL/PLAIN + ACLs) and print both side by side "
+        "(default: on when the bench starts its own broker, off with --bootstrap/$KAFKA_BOOTSTRAP_SERVERS)",
+    )
     parser.add_argument(
         "--profile",
         type=Path,
@@ -584,16 +752,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--events must be positive")
     drafts = build_drafts(args.events)
     warmup = build_drafts(min(args.warmup, args.events), seed=1) if args.warmup > 0 else []
-    with broker_address(args.bootstrap) as bootstrap:
+    compare = args.secure_compare if args.secure_compare is not None else given_address(args.bootstrap) is None
+    secure_phases: list[Phase] | None = None
+    with broker_address(args.bootstrap) as bootstrap, secure_cluster(compare) as secure:
+        clusters = [Cluster.plaintext(bootstrap), *([secure] if secure is not None else [])]
         if warmup:
-            print(f"warm-up round ({len(warmup):,} events) ...", file=sys.stderr)
-            run_round(bootstrap, warmup, args.partitions, "warmup", Profiler(None))
-        print(f"measured round ({len(drafts):,} events) ...", file=sys.stderr)
-        phases = run_round(bootstrap, drafts, args.partitions, "run", Profiler(args.profile))
+            for cluster in clusters:  # each broker is a JVM of its own, with its own JIT
+                print(f"warm-up round, {cluster.mode} ({len(warmup):,} events) ...", file=sys.stderr)
+                run_round(cluster, warmup, args.partitions, "warmup", Profiler(None), in_memory=False)
+        print(f"measured round, plaintext ({len(drafts):,} events) ...", file=sys.stderr)
+        phases = run_round(clusters[0], drafts, args.partitions, "run", Profiler(args.profile))
+        if secure is not None:
+            print(f"measured round, secure ({len(drafts):,} events) ...", file=sys.stderr)
+            profiler = Profiler(None if args.profile is None else args.profile / "secure")
+            secure_phases = run_round(secure, drafts, args.partitions, "run", profiler, in_memory=False)
     info = machine()
-    print(format_table(phases, args.events, args.partitions, info))
+    print(format_table(phases, args.events, args.partitions, info, secure_phases))
     if args.json is not None:
-        args.json.write_text(json.dumps(to_json(phases, args.events, args.partitions, info), indent=2) + "\n")
+        numbers = to_json(phases, args.events, args.partitions, info, secure_phases)
+        args.json.write_text(json.dumps(numbers, indent=2) + "\n")
     return 0
 
 

@@ -21,9 +21,11 @@ import uuid
 from contextlib import ExitStack
 
 from cli.audit import verify_log
-from log import Draft, SharedLog
+from log import Draft, Position, SharedLog
 from log.urls import backend_for
 from schemas.events import LLMCallCompleted, LLMCallStarted
+
+WRITE_BATCH = 5000
 
 
 def body(i: int) -> LLMCallStarted | LLMCallCompleted:
@@ -59,15 +61,22 @@ async def run(url: str, num_events: int, num_sessions: int) -> dict[str, float]:
     await admin.close()
     began = time.perf_counter()
     async with SharedLog(backend_for(url, namespace=namespace), actor="planner") as log:
+        # Two appends in flight: the next batch is encoded while the broker acknowledges the
+        # previous one. SharedLog supports concurrent appends (each takes the topic's lock in
+        # turn, in the order they were started, so every session's seq order is kept).
+        in_flight: asyncio.Task[list[Position]] | None = None
         batch: list[Draft] = []
         for i in range(num_events):
             batch.append(Draft(f"s{i % num_sessions:05d}", body(i // num_sessions)))
-            if len(batch) == 5000:
-                await log.append_many(batch)
+            if len(batch) == WRITE_BATCH or i == num_events - 1:
+                started = asyncio.create_task(log.append_many(batch))
+                if in_flight is not None:
+                    await in_flight
+                in_flight = started
                 batch = []
                 print(f"\r  wrote {i + 1:,} events", end="", flush=True)
-        if batch:
-            await log.append_many(batch)
+        if in_flight is not None:
+            await in_flight
     write_s = time.perf_counter() - began
     print()
     async with SharedLog(backend_for(url, namespace=namespace), actor="auditor") as log:

@@ -23,6 +23,7 @@ from workers.runtime import SessionWorker
 class DeciderWorker(SessionWorker):
     role = "decider"
     topics = ("agent.actions", "ops.commands", "agent.verdicts")
+    reconcile_every_s = 5.0
 
     def __init__(self, log: SharedLog, *, decider: Decider | None = None, **kwargs: object) -> None:
         super().__init__(log, **kwargs)  # type: ignore[arg-type]
@@ -32,6 +33,9 @@ class DeciderWorker(SessionWorker):
         for tool in list(state.tool_calls.values()):
             if tool.status is ToolStatus.PROPOSED:
                 await self.decide(state, tool)
+
+    async def reconcile(self, state: SessionState) -> None:
+        await self.resume(state)  # verdicts have deterministic ids: deciding again is a no-op
 
     async def on_event(self, state: SessionState, event: LoggedEvent) -> None:
         body = event.body

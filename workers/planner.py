@@ -52,6 +52,7 @@ class PlannerWorker(SessionWorker):
     role = "planner"
     topics = ("agent.actions", "agent.verdicts", "agent.effects", "ops.commands")
     reports_unknown_sessions = True
+    reconcile_every_s = 5.0
 
     def __init__(
         self,
@@ -89,6 +90,9 @@ class PlannerWorker(SessionWorker):
 
     async def on_event(self, state: SessionState, event: LoggedEvent) -> None:
         self.kick(state.session_id)
+
+    async def reconcile(self, state: SessionState) -> None:
+        self.kick(state.session_id)  # a no-op when it is being driven; cheap when it only waits
 
     async def on_partition_lost(self, partition: int) -> None:
         for session_id in [s for s in self._driving if self.log.partition_for(s) == partition]:

@@ -49,6 +49,9 @@ class SessionWorker:
     """Dead-letter a second verdict for a call (the role that acts on verdicts does it, once)."""
     reports_unknown_sessions = False
     """Dead-letter events of sessions nobody requested (the role that starts sessions does it)."""
+    reconcile_every_s: float | None = None
+    """Look at every session again this often (``reconcile``): a level-triggered safety net for
+    roles whose work is idempotent, so that a lost wake-up delays a session instead of stalling it."""
 
     def __init__(
         self,
@@ -81,6 +84,9 @@ class SessionWorker:
 
     async def on_partition_lost(self, partition: int) -> None:
         """Called when a partition moves to another member; its sessions are forgotten."""
+
+    async def reconcile(self, state: SessionState) -> None:
+        """Called every ``reconcile_every_s`` for each unfinished session of a caught-up partition."""
 
     # ------------------------------------------------------ process plumbing
 
@@ -150,6 +156,8 @@ class SessionWorker:
         consumer = await self.log.consumer(
             self.group, list(self.topics), from_beginning=True, instance_id=self.instance_id
         ).start()
+        loop = asyncio.get_running_loop()
+        next_reconcile = loop.time() + (self.reconcile_every_s or 0)
         try:
             while not self._stopping.is_set():
                 events = await consumer.poll(timeout_s=self.poll_timeout_s)
@@ -158,6 +166,12 @@ class SessionWorker:
                     await self._handle(event)
                 await self._promote_caught_up(consumer)
                 await consumer.commit()
+                if self.reconcile_every_s is not None and loop.time() >= next_reconcile:
+                    next_reconcile = loop.time() + self.reconcile_every_s
+                    for state in list(self.sessions.values()):
+                        ready = self.log.partition_for(state.session_id) in self._ready
+                        if ready and state.status is not None and not state.finished:
+                            await self.reconcile(state)
             if self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
         finally:
