@@ -32,6 +32,7 @@ def register(app: typer.Typer) -> None:
     app.command()(sessions)
     app.command()(replay)
     app.command()(approve)
+    app.command()(deny)
     app.command()(cancel)
 
 
@@ -288,6 +289,17 @@ def approve(
             typer.echo(f"{decision.value} {session_id} {call_id} by {body.author} at {position}")
 
     asyncio.run(send())
+
+
+def deny(
+    session_id: Annotated[str, typer.Argument()],
+    call_id: Annotated[str, typer.Argument(help="The tool call, e.g. tool-3")],
+    log_url: LogUrl = None,
+    reason: Annotated[str, typer.Option(help="Why (kept in the log)")] = "",
+    author: Annotated[str, typer.Option(help="Who decides (default: $USER)")] = "",
+) -> None:
+    """Refuse a tool call held for approval (same as approve --deny)."""
+    approve(session_id, call_id, log_url=log_url, deny=True, reason=reason, author=author)
 
 
 def cancel(

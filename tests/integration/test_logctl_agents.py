@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,57 @@ def test_run_sessions_replay_and_a_clean_stop(
         codes = stack.stop()
     # SIGTERM: every worker drained and exited cleanly (the engine too).
     assert codes == {"decider": 0, "executor": 0, "planner-0": 0, "engine": 0}, codes
+
+
+def test_approve_and_deny_decide_held_payments_and_name_their_author(
+    pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
+    _ensure_topics(pg_url)
+    pay = {"steps": [{"tool": "payment", "arguments": {"account": "acme", "amount_cents": 100}}]}
+    runner = CliRunner()
+    with Stack(pg_url, tmp_path, extra_env={"AGENTLOG_LEDGER_URL": pg_url}):
+        started = runner.invoke(
+            app,
+            [
+                "run",
+                "script",
+                "--log-url",
+                pg_url,
+                "-n",
+                "2",
+                "--args",
+                json.dumps(pay),
+                "--prefix",
+                "held",
+                "--no-wait",
+            ],
+        )
+        assert started.exit_code == 0, started.output
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            rows = {
+                r["session_id"]: r
+                for r in json.loads(runner.invoke(app, ["sessions", "--log-url", pg_url, "--json"]).output)
+            }
+            if all(rows.get(f"held-{i:04d}", {}).get("tool_calls") == 1 for i in range(2)):
+                break
+            time.sleep(0.3)
+        ok = runner.invoke(
+            app, ["approve", "held-0000", "tool-0", "--log-url", pg_url, "--author", "ana", "--reason", "fine"]
+        )
+        no = runner.invoke(
+            app, ["deny", "held-0001", "tool-0", "--log-url", pg_url, "--author", "bo", "--reason", "no"]
+        )
+        assert ok.exit_code == 0 and no.exit_code == 0, (ok.output, no.output)
+        while time.monotonic() < deadline:
+            audit = json.loads(runner.invoke(app, ["audit", "--log-url", pg_url, "--json"]).output)
+            by_session = {r["session_id"]: r for r in audit}
+            if {by_session.get(f"held-{i:04d}", {}).get("status") for i in range(2)} == {"completed", "aborted"}:
+                break
+            time.sleep(0.3)
+    assert by_session["held-0000"]["status"] == "completed"
+    assert by_session["held-0000"]["approvals"] == [{"author": "ana", "decision": "APPROVE", "reason": "fine"}]
+    assert (
+        by_session["held-0001"]["status"] == "aborted" and "denied by bo" in by_session["held-0001"]["verdict_reason"]
+    )
