@@ -12,18 +12,11 @@ from typing import Annotated, Any
 
 import typer
 
+from cli.common import Json, LogUrl, ensure_topics
 from cli.sessions import SessionBook, read_sessions, replay_check, summarize
 from log import open_log
 from schemas import events as ev
 from services.programs import PROGRAMS
-
-LogUrl = Annotated[
-    str | None,
-    typer.Option(
-        "--log-url", envvar="AGENTLOG_LOG_URL", help="kafka://host:port, postgresql://..., or empty for embedded"
-    ),
-]
-Json = Annotated[bool, typer.Option("--json", help="JSON for scripts instead of a table")]
 
 
 def register(app: typer.Typer) -> None:
@@ -63,7 +56,7 @@ def up(
 
     directory = work_dir or data_dir() / "stack"
     stack = Stack(log_url, directory, time_scale=time_scale, num_planners=planners)
-    _ensure_topics(log_url)
+    ensure_topics(log_url)
     stack.start()
     for name, process in stack.processes.items():
         typer.echo(f"{name:<10} pid {process.pid:<7} log {process.log_path}")
@@ -78,18 +71,6 @@ def up(
         pass
     codes = stack.stop()
     typer.echo("stopped: " + ", ".join(f"{n}={c}" for n, c in codes.items()))
-
-
-def _ensure_topics(log_url: str | None, partitions: int = 4) -> None:
-    async def init() -> None:
-        log = open_log(log_url, actor="admin")
-        await log.backend.start()
-        try:
-            await log.backend.create_topics(partitions)
-        finally:
-            await log.backend.close()
-
-    asyncio.run(init())
 
 
 def run(

@@ -23,19 +23,12 @@ from typing import Annotated, Any
 
 import typer
 
+from cli.common import Json, LogUrl
 from cli.sessions import SessionBook, read_sessions
 from log import TOPICS, RecordError, SharedLog, open_log
 from log.chain import ChainVerifier
 from log.topics import topic as topic_named
 from services.session import ToolCall
-
-LogUrl = Annotated[
-    str | None,
-    typer.Option(
-        "--log-url", envvar="AGENTLOG_LOG_URL", help="kafka://host:port, postgresql://..., or empty for embedded"
-    ),
-]
-Json = Annotated[bool, typer.Option("--json", help="JSON for scripts instead of a table")]
 
 
 @dataclass

@@ -54,10 +54,11 @@ def load_infercept(num_sessions: int, arrival_rate: float, seed: int) -> list[di
 def run_demo(
     log_url: str | None, num_sessions: int, time_scale: float, arrival_rate: float, seed: int, work_dir: Path
 ) -> dict[str, Any]:
-    from cli.agents import _ensure_topics, _run
+    from cli.agents import _run
+    from cli.common import ensure_topics
 
     sessions = load_infercept(num_sessions, arrival_rate, seed)
-    _ensure_topics(log_url)
+    ensure_topics(log_url)
     run_id = uuid.uuid4().hex[:6]
     requests = [(f"demo-{run_id}-{s['session_id'][:8]}", "trace", {"session": s}) for s in sessions]
     first = sessions[0]["arrival_s"]

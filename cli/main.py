@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 
 from cli import agents, audit
+from cli.common import Json, LogUrl, init_log
 from cli.render import event_line, event_to_json
 from cli.traces import app as trace_app
 from log import TOPICS, open_log
@@ -28,15 +29,6 @@ agents.register(app)
 app.command()(audit.verify)
 app.command()(audit.audit)
 app.add_typer(trace_app, name="trace", help="Import, generate and describe agent traces (docs/trace-format.md).")
-
-LogUrl = Annotated[
-    str | None,
-    typer.Option(
-        "--log-url", envvar="AGENTLOG_LOG_URL", help="kafka://host:port, postgresql://..., or empty for embedded"
-    ),
-]
-# The namespace is read from AGENTLOG_NAMESPACE by log.urls (a topic prefix on Kafka, a schema on Postgres).
-Json = Annotated[bool, typer.Option("--json", help="JSON lines for scripts instead of a table")]
 
 
 @app.command()
@@ -55,7 +47,7 @@ def init(
     as_json: Json = False,
 ) -> None:
     """Create the log's topics (idempotent): infinite retention, delete policy, co-partitioned."""
-    ends = asyncio.run(_init(log_url, partitions, secure))
+    ends = asyncio.run(init_log(log_url, partitions, secure=secure))
     if as_json:
         typer.echo(json.dumps({"topics": {name: sum(e.values()) for name, e in ends.items()}, "secure": secure}))
         return
@@ -64,35 +56,6 @@ def init(
         typer.echo(f"{name:<16} {len(e):>10} {sum(e.values()):>10}")
     if secure:
         typer.echo("ACLs applied: each principal writes only its own topics (python -m log.acls show lists them)")
-
-
-async def _init(log_url: str | None, partitions: int, secure: bool = False) -> dict[str, dict[int, int]]:
-    log = open_log(log_url, actor="admin")
-    await log.backend.start()
-    try:
-        await log.backend.create_topics(partitions)
-        if secure:
-            await _apply_acls(log.backend)
-        return {t.name: await log.backend.end_offsets(t.name) for t in TOPICS}
-    finally:
-        await log.backend.close()
-
-
-async def _apply_acls(backend: object) -> None:
-    from log.acls import admin_client, apply_acls
-    from log.kafka_backend import KafkaBackend
-
-    if not isinstance(backend, KafkaBackend):
-        raise typer.BadParameter("--secure needs a kafka:// log URL (on Postgres, see log/pg_roles.py)")
-
-    def apply() -> None:
-        admin = admin_client(backend.bootstrap, backend.client_config)
-        try:
-            apply_acls(admin, backend.namespace)
-        finally:
-            admin.close()
-
-    await asyncio.to_thread(apply)
 
 
 @app.command()

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 import typer
 
+from cli.common import Json
 from services.traces import (
     Trace,
     TraceFormatError,
@@ -47,7 +48,6 @@ class Durations(StrEnum):
 
 
 Seed = Annotated[int, typer.Option(help="Seed of the random generator (arrivals, synthetic draws)")]
-Json = Annotated[bool, typer.Option("--json", help="JSON for scripts instead of a table")]
 
 
 def _fail(message: str) -> typer.Exit:

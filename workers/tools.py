@@ -75,6 +75,12 @@ class ToolContext:
 ToolFn = Callable[[dict[str, Any], ToolContext], Awaitable[tuple[Any, int]]]
 
 
+def _ledger(ctx: ToolContext, tool: str) -> Ledger:
+    if ctx.ledger is None:
+        raise RuntimeError(f"{tool} needs the ledger (executor --ledger-url)")
+    return ctx.ledger
+
+
 def _tokens(text: str) -> int:
     return max(1, len(text) // 4)
 
@@ -110,9 +116,7 @@ async def file_write(args: dict[str, Any], ctx: ToolContext) -> tuple[Any, int]:
 
 
 async def payment(args: dict[str, Any], ctx: ToolContext) -> tuple[Any, int]:
-    if ctx.ledger is None:
-        raise RuntimeError("payment needs the ledger (executor --ledger-url)")
-    payment_id = await ctx.ledger.pool.fetchval(
+    payment_id = await _ledger(ctx, "payment").pool.fetchval(
         "INSERT INTO agentlog_ledger.payments (idempotency_key, session_id, call_id, account, amount_cents) "
         "VALUES ($1, $2, $3, $4, $5) RETURNING id",
         ctx.idempotency_key,
@@ -125,9 +129,7 @@ async def payment(args: dict[str, Any], ctx: ToolContext) -> tuple[Any, int]:
 
 
 async def book(args: dict[str, Any], ctx: ToolContext) -> tuple[Any, int]:
-    if ctx.ledger is None:
-        raise RuntimeError("book needs the ledger (executor --ledger-url)")
-    booking_id = await ctx.ledger.pool.fetchval(
+    booking_id = await _ledger(ctx, "book").pool.fetchval(
         "INSERT INTO agentlog_ledger.bookings (idempotency_key, session_id, call_id, resource, nights, status) "
         "VALUES ($1, $2, $3, $4, $5, 'booked') RETURNING id",
         ctx.idempotency_key,
@@ -140,9 +142,7 @@ async def book(args: dict[str, Any], ctx: ToolContext) -> tuple[Any, int]:
 
 
 async def cancel_booking(args: dict[str, Any], ctx: ToolContext) -> tuple[Any, int]:
-    if ctx.ledger is None:
-        raise RuntimeError("cancel_booking needs the ledger (executor --ledger-url)")
-    result = await ctx.ledger.pool.execute(
+    result = await _ledger(ctx, "cancel_booking").pool.execute(
         "UPDATE agentlog_ledger.bookings SET status = 'cancelled' WHERE session_id = $1 AND resource = $2 "
         "AND status = 'booked'",
         ctx.session_id,

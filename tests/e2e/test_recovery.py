@@ -28,7 +28,7 @@ import asyncpg
 import pytest
 from typer.testing import CliRunner
 
-from cli.agents import _ensure_topics
+from cli.common import ensure_topics
 from cli.main import app
 from cli.sessions import SessionBook, read_sessions
 from cli.stack import Stack
@@ -214,17 +214,7 @@ def test_kill_anywhere_and_complete_exactly_once(
 
 
 def _ensure_topics_in(scenario: Scenario) -> None:
-    import os
-
-    previous = os.environ.get("AGENTLOG_NAMESPACE")
-    os.environ["AGENTLOG_NAMESPACE"] = scenario.namespace
-    try:
-        _ensure_topics(scenario.log_url)
-    finally:
-        if previous is None:
-            del os.environ["AGENTLOG_NAMESPACE"]
-        else:
-            os.environ["AGENTLOG_NAMESPACE"] = previous
+    ensure_topics(scenario.log_url, namespace=scenario.namespace)
 
 
 def test_two_planners_split_partitions_and_a_dead_ones_sessions_move(

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from cli.agents import _ensure_topics
+from cli.common import ensure_topics
 from cli.sessions import SessionBook
 from cli.stack import Stack
 from log import open_log
@@ -43,7 +43,7 @@ def test_bad_input_is_recorded_and_no_worker_stops(
     pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
-    _ensure_topics(pg_url)
+    ensure_topics(pg_url)
     run = uuid.uuid4().hex[:4]
     sessions = {case: f"{case}-{run}" for case in CASES}
     stack = Stack(pg_url, tmp_path, time_scale=1.0, extra_env={"AGENTLOG_LEDGER_URL": pg_url})

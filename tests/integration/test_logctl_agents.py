@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.agents import _ensure_topics
+from cli.common import ensure_topics
 from cli.main import app
 from cli.stack import Stack
 
@@ -28,7 +28,7 @@ def test_run_sessions_replay_and_a_clean_stop(
     pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
-    _ensure_topics(pg_url)
+    ensure_topics(pg_url)
     runner = CliRunner()
     stack = Stack(pg_url, tmp_path, time_scale=0.1).start()
     try:
@@ -62,7 +62,7 @@ def test_approve_and_deny_decide_held_payments_and_name_their_author(
     pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
-    _ensure_topics(pg_url)
+    ensure_topics(pg_url)
     pay = {"steps": [{"tool": "payment", "arguments": {"account": "acme", "amount_cents": 100}}]}
     runner = CliRunner()
     with Stack(pg_url, tmp_path, extra_env={"AGENTLOG_LEDGER_URL": pg_url}):

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from cli.agents import _ensure_topics
+from cli.common import ensure_topics
 from cli.main import app
 from log import open_log
 from log.backend import OutRecord
@@ -110,7 +110,7 @@ async def forge(url: str) -> None:
 @pytest.fixture
 def url(pg_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
-    _ensure_topics(pg_url)
+    ensure_topics(pg_url)
     asyncio.run(write_history(pg_url))
     return pg_url
 
