@@ -106,7 +106,9 @@ ROLES: tuple[Role, ...] = (
     Role("decider", (_ACTIONS, _OPS, _VERDICTS), groups=("decider",)),
     Role("executor", (_VERDICTS, _ACTIONS, _EFFECTS, _OPS), groups=("executor",)),
     Role("cache-manager", ALL_TOPICS, groups=("cache-manager",)),
-    Role("engine-bridge", (_KV_DECISIONS, _KV_EVENTS), groups=("engine-bridge",)),
+    # One bridge per engine instance, each in its own group (``engine-bridge.<engine id>``): every
+    # bridge must see every decision and apply those for its engine.
+    Role("engine-bridge", (_KV_DECISIONS, _KV_EVENTS), group_prefixes=("engine-bridge",)),
     Role("projector", ALL_TOPICS, groups=("projector",)),
     Role("operator", ALL_TOPICS, group_prefixes=("operator", LOGCTL_GROUP_PREFIX)),
     Role("auditor", ALL_TOPICS, group_prefixes=("auditor", LOGCTL_GROUP_PREFIX), read_only=True),

@@ -25,7 +25,15 @@ from typing import Protocol
 
 from schemas.events import CacheDecisionMade, KVAllBlocksCleared, KVBlocksRemoved, KVBlocksStored, SessionId
 
-__all__ = ["Actuator", "EngineBatch", "EngineKVEvent", "KVEventsLost", "KVSource", "engine_session_id"]
+__all__ = [
+    "ActuationRefused",
+    "Actuator",
+    "EngineBatch",
+    "EngineKVEvent",
+    "KVEventsLost",
+    "KVSource",
+    "engine_session_id",
+]
 
 KVBody = KVBlocksStored | KVBlocksRemoved | KVAllBlocksCleared
 
@@ -47,6 +55,12 @@ class KVEventsLost(Exception):
         self.epoch = epoch
         self.first_missing = first_missing
         self.first_available = first_available
+
+
+class ActuationRefused(Exception):
+    """The engine could not carry out a decision (no host room, the session is in a
+    call). Actuators raise it; the bridge logs and counts it and goes on: the cache
+    manager sees the cache's real state in ``kv.events``."""
 
 
 @dataclass(frozen=True, slots=True)

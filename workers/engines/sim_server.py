@@ -4,9 +4,26 @@
 see ``services.programs.base.TokenRun``), ``max_tokens``, ``request_id`` and
 ``session_id``; it answers like vLLM (``choices``, ``usage`` with
 ``prompt_tokens_details.cached_tokens``) plus an ``agentlog`` object with the
-simulated timings. ``GET /stats`` reports requests served and replayed;
-``GET /kv_events?after=N`` the KV events after sequence number N;
-``GET /health`` answers 200.
+simulated timings. ``GET /stats`` reports requests served and replayed and the
+cache's block counts; ``GET /health`` answers 200.
+
+**KV events** come in numbered batches, like vLLM's ZMQ stream: one batch per engine
+step (a call, or a control command), ``seq`` gapless from 1 within an ``epoch`` (a
+random id of this process run: a restarted engine starts a new epoch and forgets the
+old one's events). ``GET /kv_events?after=N`` answers ``{"epoch", "first_seq",
+"last_seq", "batches": [{"seq", "at", "events": [...]}, ...]}`` with the batches after
+N still in the replay buffer (the newest ``--kv-buffer`` batches); ``first_seq > N + 1``
+means the ones in between are gone.
+
+**Cache control** (``POST /kv_control``, the engine bridge's actuator): ``{"session_id",
+"action", "ttl_ms"}`` with a ``CacheAction``: ``preserve`` pins the session's blocks
+until ``ttl_ms`` of log time from now (log time is wall-clock time; the engine divides
+it by ``--time-scale``), ``release`` unpins them (they stay cached, LRU-evictable),
+``discard`` uncaches them, ``swap`` moves them to the host tier, ``prefetch`` brings
+them back. Answers ``{"applied": true, "blocks": n}``, or status 409 with
+``{"applied": false, "reason"}`` when the cache refuses (no host room, the session is
+in a call). Without any control the engine is the vLLM-like baseline: blocks are
+freed when each call ends and reused LRU.
 
 The engine runs one request at a time (no batching: a simplification of
 vLLM's continuous batching; requests queue and ``queue_ms`` says for how
@@ -32,16 +49,18 @@ import json
 import logging
 import os
 import time
+import uuid
 import zlib
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from schemas.events import SessionId
+from schemas.events import CacheAction, SessionId
 from services.engine.cost import CostModel
-from services.engine.kv_cache import KVEvent, PagedKVCache
+from services.engine.kv_cache import KVCacheError, KVEvent, PagedKVCache
 from services.engine.sim import SimEngine
 from services.programs.base import Prompt, TokenRun, output_run
 from workers.crash import crash_point
@@ -66,7 +85,9 @@ def text_token_ids(text: str) -> list[int]:
 
 
 class SimServer:
-    def __init__(self, engine: SimEngine, state_dir: Path, *, engine_id: str, time_scale: float) -> None:
+    def __init__(
+        self, engine: SimEngine, state_dir: Path, *, engine_id: str, time_scale: float, kv_buffer: int = 10_000
+    ) -> None:
         self.engine = engine
         self.engine_id = engine_id
         self.time_scale = time_scale
@@ -81,8 +102,10 @@ class SimServer:
                     self.served[entry["request_id"]] = entry["response"]
         self.num_served = len(self.served)
         self.num_replayed = 0
-        self.kv_events: deque[dict[str, Any]] = deque(maxlen=100_000)
+        self.epoch = uuid.uuid4().hex[:12]
+        self.kv_batches: deque[dict[str, Any]] = deque(maxlen=kv_buffer)
         self.kv_seq = 0
+        self.num_controls = 0
         self._lock = asyncio.Lock()
         self._started = time.monotonic()
 
@@ -118,6 +141,7 @@ class SimServer:
         queued = time.monotonic()
         async with self._lock:
             queue_ms = (time.monotonic() - queued) * 1000 / max(self.time_scale, 1e-9)
+            self.engine.cache.expire(self.now())  # TTLs end when the engine steps, like vLLM's scheduler
             try:
                 result = self.engine.call(
                     SessionId(session_id), token_ids, max_tokens, now=self.now(), output_token_ids=output_ids
@@ -125,9 +149,7 @@ class SimServer:
             except Exception as e:  # e.g. a prompt larger than the whole KV cache
                 return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
             await asyncio.sleep((result.prefill_ms + result.decode_ms) / 1000 * self.time_scale)
-            for event in result.events:
-                self.kv_seq += 1
-                self.kv_events.append({"seq": self.kv_seq, **kv_event_json(event)})
+            self._publish(result.events)
         response = {
             "id": request_id,
             "object": "text_completion",
@@ -157,19 +179,77 @@ class SimServer:
         crash_point("engine.after_record")  # recorded, not answered: a retry is answered from the record
         return web.json_response(response)
 
+    def _publish(self, events: Iterable[KVEvent]) -> None:
+        """One batch of KV events (one engine step), numbered like vLLM's stream."""
+        encoded = [{**kv_event_json(event), "block_size": self.engine.cache.block_size} for event in events]
+        if not encoded:
+            return  # like vLLM, a step that changed nothing publishes nothing
+        self.kv_seq += 1
+        self.kv_batches.append({"seq": self.kv_seq, "at": time.time(), "events": encoded})
+
     async def stats(self, _request: web.Request) -> web.Response:
+        cache = self.engine.cache
         return web.json_response(
             {
                 "engine_id": self.engine_id,
+                "epoch": self.epoch,
                 "num_served": self.num_served,
                 "num_replayed": self.num_replayed,
+                "num_controls": self.num_controls,
                 "kv_seq": self.kv_seq,
+                "gpu_blocks": cache.num_gpu_blocks,
+                "free_blocks": cache.num_free_blocks,
+                "host_free_blocks": cache.num_free_host_blocks,
+                "pinned_sessions": sorted(sid for sid in cache.session_ids() if cache.blocks_of(sid).pinned),
             }
         )
 
     async def kv_events_after(self, request: web.Request) -> web.Response:
-        after = int(request.query.get("after", "0"))
-        return web.json_response([e for e in self.kv_events if e["seq"] > after][:5000])
+        try:
+            after = int(request.query.get("after", "0"))
+            limit = max(1, min(int(request.query.get("limit", "1000")), 10_000))
+        except ValueError as e:
+            return web.json_response({"error": f"bad query: {e}"}, status=400)
+        first_seq = self.kv_batches[0]["seq"] if self.kv_batches else self.kv_seq + 1
+        # Batches are numbered 1.. and kept in order, so the ones after ``after`` are a suffix.
+        start = max(0, after + 1 - first_seq)
+        batches = [self.kv_batches[i] for i in range(start, min(len(self.kv_batches), start + limit))]
+        return web.json_response(
+            {"epoch": self.epoch, "first_seq": first_seq, "last_seq": self.kv_seq, "batches": batches}
+        )
+
+    async def kv_control(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            session_id = SessionId(str(body["session_id"]))
+            action = CacheAction(body["action"])
+            ttl_ms = body.get("ttl_ms")
+            ttl_s = None if ttl_ms is None else float(ttl_ms) / 1000
+        except (ValueError, KeyError, TypeError) as e:
+            return web.json_response({"error": f"bad request: {e}"}, status=400)
+        cache = self.engine.cache
+        async with self._lock:
+            now = self.now()
+            cache.expire(now)
+            try:
+                if action is CacheAction.PRESERVE:
+                    until = None if ttl_s is None else now + ttl_s / max(self.time_scale, 1e-9)
+                    blocks = cache.pin(session_id, until)
+                elif action is CacheAction.RELEASE:
+                    blocks = cache.release(session_id)
+                elif action is CacheAction.DISCARD:
+                    counts = cache.discard(session_id)
+                    blocks = counts.gpu + counts.host
+                elif action is CacheAction.SWAP:
+                    blocks = cache.swap_out(session_id)
+                else:
+                    blocks = cache.swap_in(session_id, now)
+            except KVCacheError as e:
+                self._publish(cache.drain_events())
+                return web.json_response({"applied": False, "reason": f"{type(e).__name__}: {e}"}, status=409)
+            self.num_controls += 1
+            self._publish(cache.drain_events())
+        return web.json_response({"applied": True, "blocks": blocks})
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -179,6 +259,7 @@ class SimServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/stats", self.stats)
         app.router.add_get("/kv_events", self.kv_events_after)
+        app.router.add_post("/kv_control", self.kv_control)
         app.router.add_get("/health", self.health)
         return app
 
@@ -193,11 +274,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-blocks", type=int, default=8192, help="KV cache capacity in blocks")
     parser.add_argument("--host-blocks", type=int, default=0)
     parser.add_argument("--time-scale", type=float, default=float(os.environ.get("AGENTLOG_TIME_SCALE", "1")))
+    parser.add_argument("--kv-buffer", type=int, default=10_000, help="KV event batches kept for replay")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{os.getpid()}] %(levelname)s %(message)s")
     cache = PagedKVCache(args.block_size, args.gpu_blocks, args.host_blocks)
     engine = SimEngine(cache, CostModel(block_size=args.block_size))
-    server = SimServer(engine, args.state_dir, engine_id=args.engine_id, time_scale=args.time_scale)
+    server = SimServer(
+        engine, args.state_dir, engine_id=args.engine_id, time_scale=args.time_scale, kv_buffer=args.kv_buffer
+    )
     web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True, access_log=None)
 
 

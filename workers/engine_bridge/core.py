@@ -1,0 +1,175 @@
+"""The engine bridge: one per engine instance, as the ``engine-bridge`` principal.
+
+Two loops run side by side:
+
+- **events in**: the engine's KV event batches (``KVSource``) become ``kv.events``
+  records, keyed by the agent session they belong to. Each record's event id is
+  ``uuid5(engine_id/epoch/seq/index)``, and ``SharedLog`` ignores an event id it already
+  holds, so a bridge that restarts simply reads the engine's replay buffer again from
+  its oldest batch: what it had appended is skipped, what it had not is appended,
+  nothing twice. Batches that the engine no longer has (``KVEventsLost``) are counted
+  and logged, never invented.
+- **decisions out**: ``kv.decisions`` records for this engine (``engine_id`` matches)
+  are carried out by the ``Actuator``, then committed in the bridge's consumer group
+  ``engine-bridge.<engine id>``; a crash between the two applies a decision again,
+  which every actuator verb tolerates (pin again, release again, ...). A PRESERVE whose
+  TTL had already run out when the bridge reads it (a bridge catching up after a long
+  outage) is skipped: pinning a long-gone gap would only waste memory.
+
+Engines plug in as modules ``workers.engine_bridge.<kind>`` with two functions,
+``add_arguments(parser)`` and ``create(args) -> (KVSource, Actuator)``;
+``python -m workers.engine_bridge --engine <kind>`` loads one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from log import SharedLog
+from log.types import Draft
+from schemas.events import CacheAction, CacheDecisionMade, SessionId
+from workers.engine_bridge.base import ActuationRefused, Actuator, EngineBatch, KVEventsLost, KVSource
+
+__all__ = ["BridgeStats", "EngineBridge", "kv_event_id"]
+
+_log = logging.getLogger(__name__)
+
+_EVENT_ID_NAMESPACE = uuid.UUID("6f1c2a8e-4b0d-5c3e-9a7f-2d8e1b4c6a90")
+
+
+def kv_event_id(engine_id: str, epoch: str, seq: int, index: int) -> str:
+    """The event id of the ``index``-th event of batch ``seq`` of an engine run."""
+    return str(uuid.uuid5(_EVENT_ID_NAMESPACE, f"{engine_id}/{epoch}/{seq}/{index}"))
+
+
+@dataclass
+class BridgeStats:
+    num_batches: int = 0
+    num_events: int = 0
+    num_lost_batches: int = 0
+    num_decisions_applied: int = 0
+    num_decisions_refused: int = 0
+    num_decisions_skipped: int = 0
+    cursor: tuple[str, int] | None = None
+
+
+class EngineBridge:
+    role = "engine-bridge"
+
+    def __init__(
+        self,
+        log: SharedLog,
+        source: KVSource,
+        actuator: Actuator,
+        *,
+        engine_id: str,
+        group: str | None = None,
+        instance_id: str | None = None,
+    ) -> None:
+        self.log = log
+        self.source = source
+        self.actuator = actuator
+        self.engine_id = engine_id
+        self.group = group or f"engine-bridge.{engine_id}"
+        self.instance_id = instance_id
+        self.stats = BridgeStats()
+        self._stopping = asyncio.Event()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.shutdown)
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        """Both loops until ``shutdown``; an error in either stops the bridge."""
+        tasks = [
+            asyncio.create_task(self._events_in(), name="kv-events-in"),
+            asyncio.create_task(self._decisions_out(), name="kv-decisions-out"),
+        ]
+        stop = asyncio.create_task(self._stopping.wait())
+        try:
+            done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stop:
+                    task.result()  # re-raise a loop's error
+        finally:
+            for task in [*tasks, stop]:
+                task.cancel()
+            await asyncio.gather(*tasks, stop, return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.source.aclose()
+        await self.actuator.aclose()
+
+    # ------------------------------------------------------------ events in
+
+    async def _events_in(self) -> None:
+        after: tuple[str, int] | None = None  # from the oldest batch the engine still has
+        while True:
+            try:
+                async for batch in self.source.batches(after):
+                    await self.append_batch(batch)
+                    after = (batch.epoch, batch.seq)
+                return
+            except KVEventsLost as lost:
+                self.stats.num_lost_batches += lost.first_available - lost.first_missing
+                _log.error("%s: %s; continuing from batch %d", self.engine_id, lost, lost.first_available)
+                after = (lost.epoch, lost.first_available - 1)
+
+    async def append_batch(self, batch: EngineBatch) -> None:
+        occurred_at = datetime.fromtimestamp(batch.at, UTC)
+        drafts = [
+            Draft(
+                event.session_id,
+                event.body,
+                event_id=kv_event_id(self.engine_id, batch.epoch, batch.seq, index),
+                occurred_at=occurred_at,
+            )
+            for index, event in enumerate(batch.events)
+        ]
+        await self.log.append_many(drafts)
+        self.stats.num_batches += 1
+        self.stats.num_events += len(drafts)
+        self.stats.cursor = (batch.epoch, batch.seq)
+
+    # ------------------------------------------------------------ decisions out
+
+    async def _decisions_out(self) -> None:
+        consumer = await self.log.consumer(
+            self.group, ["kv.decisions"], from_beginning=True, instance_id=self.instance_id
+        ).start()
+        try:
+            while True:
+                events = await consumer.poll(timeout_s=0.5)
+                for event in events:
+                    body = event.body
+                    if isinstance(body, CacheDecisionMade) and body.engine_id == self.engine_id:
+                        await self.apply(SessionId(event.session_id), body, event.envelope.occurred_at)
+                if events:
+                    await consumer.commit()
+        finally:
+            await consumer.close()
+
+    async def apply(self, session_id: SessionId, decision: CacheDecisionMade, decided_at: datetime) -> None:
+        if decision.action is CacheAction.PRESERVE and decision.ttl_ms is not None:
+            expires = decided_at + timedelta(milliseconds=decision.ttl_ms)
+            if expires <= datetime.now(UTC):
+                self.stats.num_decisions_skipped += 1
+                return
+        try:
+            await self.actuator.apply(session_id, decision)
+        except ActuationRefused as refused:
+            self.stats.num_decisions_refused += 1
+            _log.warning("%s refused %s for %s: %s", self.engine_id, decision.action, session_id, refused)
+            return
+        self.stats.num_decisions_applied += 1
