@@ -19,6 +19,9 @@ Two loops run side by side:
 Engines plug in as modules ``workers.engine_bridge.<kind>`` with two functions,
 ``add_arguments(parser)`` and ``create(args) -> (KVSource, Actuator)``;
 ``python -m workers.engine_bridge --engine <kind>`` loads one.
+
+Crash points (``workers.crash``): ``bridge.before_append``, ``bridge.after_append``,
+``bridge.after_apply``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from datetime import UTC, datetime, timedelta
 from log import SharedLog
 from log.types import Draft
 from schemas.events import CacheAction, CacheDecisionMade, SessionId
+from workers.crash import crash_point
 from workers.engine_bridge.base import ActuationRefused, Actuator, EngineBatch, KVEventsLost, KVSource
 
 __all__ = ["BridgeStats", "EngineBridge", "kv_event_id"]
@@ -137,7 +141,9 @@ class EngineBridge:
             )
             for index, event in enumerate(batch.events)
         ]
+        crash_point("bridge.before_append")
         await self.log.append_many(drafts)
+        crash_point("bridge.after_append")  # appended, the cursor not advanced: the restart re-reads it
         self.stats.num_batches += 1
         self.stats.num_events += len(drafts)
         self.stats.cursor = (batch.epoch, batch.seq)
@@ -168,6 +174,7 @@ class EngineBridge:
                 return
         try:
             await self.actuator.apply(session_id, decision)
+            crash_point("bridge.after_apply")  # applied, not committed: the restart applies it again
         except ActuationRefused as refused:
             self.stats.num_decisions_refused += 1
             _log.warning("%s refused %s for %s: %s", self.engine_id, decision.action, session_id, refused)

@@ -16,11 +16,11 @@ N still in the replay buffer (the newest ``--kv-buffer`` batches); ``first_seq >
 means the ones in between are gone.
 
 **Cache control** (``POST /kv_control``, the engine bridge's actuator): ``{"session_id",
-"action", "ttl_ms"}`` with a ``CacheAction``: ``preserve`` pins the session's blocks
-until ``ttl_ms`` of log time from now (log time is wall-clock time; the engine divides
-it by ``--time-scale``), ``release`` unpins them (they stay cached, LRU-evictable),
-``discard`` uncaches them, ``swap`` moves them to the host tier, ``prefetch`` brings
-them back. Answers ``{"applied": true, "blocks": n}``, or status 409 with
+"action", "ttl_ms"}`` with a ``CacheAction`` value: ``PRESERVE`` pins the session's
+blocks until ``ttl_ms`` of log time from now (log time is wall-clock time; the engine
+divides it by ``--time-scale``), ``RELEASE`` unpins them (they stay cached,
+LRU-evictable), ``DISCARD`` uncaches them, ``SWAP`` moves them to the host tier,
+``PREFETCH`` brings them back. Answers ``{"applied": true, "blocks": n}``, or status 409 with
 ``{"applied": false, "reason"}`` when the cache refuses (no host room, the session is
 in a call). Without any control the engine is the vLLM-like baseline: blocks are
 freed when each call ends and reused LRU.

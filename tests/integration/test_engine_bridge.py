@@ -1,0 +1,331 @@
+"""The engine bridge with a real sim engine process and a real Kafka broker.
+
+Events in: every KV event batch of the engine lands in ``kv.events`` exactly once, under
+the right session, also when the bridge is SIGKILLed and restarted while the engine
+keeps working. Decisions out: ``kv.decisions`` written by the cache manager's principal
+steer the engine's cache (preserve keeps a prefix through competing load; without a
+decision it is evicted; discard drops it; swap moves it to the host tier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cli.common import ensure_topics
+from cli.stack import Process, free_port
+from log import open_log
+from schemas import events as ev
+from schemas.events import CacheAction
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BLOCK = 16
+ENGINE_ID = "sim-test"
+
+KVKey = tuple[str, str, str, tuple[str, ...]]  # (session, kind, tier, hashes)
+
+
+class Rig:
+    def __init__(self, kafka: str, namespace: str, work: Path) -> None:
+        self.log_url = f"kafka://{kafka}"
+        self.namespace = namespace
+        self.work = work
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**_base_env(), "AGENTLOG_NAMESPACE": namespace, "AGENTLOG_LOG_URL": self.log_url}
+        self.engine = Process(
+            "engine",
+            [sys.executable, "-m", "workers.engines.sim_server", "--port", str(self.port),
+             "--state-dir", str(work / "engine"), "--engine-id", ENGINE_ID, "--block-size", str(BLOCK),
+             "--gpu-blocks", "16", "--host-blocks", "8", "--time-scale", "0.001"],
+            env, work / "engine.log",
+        )  # fmt: skip
+        self.bridge = Process(
+            "bridge",
+            [sys.executable, "-m", "workers.engine_bridge", "--engine", "sim", "--engine-id", ENGINE_ID,
+             "--engine-url", self.url],
+            {**env, "AGENTLOG_INSTANCE_ID": "bridge-0"}, work / "bridge.log",
+        )  # fmt: skip
+
+    def wait_for_engine(self) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                self.get("/health")
+                return
+            except OSError:
+                assert self.engine.alive(), self.engine.log_tail()
+                time.sleep(0.1)
+        raise TimeoutError("the sim engine did not start")
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as response:
+            return json.loads(response.read())
+
+    def call(self, session: str, turn: int, tokens: int, max_tokens: int = 1) -> dict[str, Any]:
+        """One LLM call whose prompt is ``tokens`` tokens of the session's own text (its
+        turns extend one another, so a later turn can reuse an earlier turn's blocks)."""
+        payload = {
+            "request_id": f"{session}/{turn}",
+            "session_id": session,
+            "prompt_runs": [[session, tokens]],
+            "max_tokens": max_tokens,
+        }
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions", json.dumps(payload).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            result: dict[str, Any] = json.loads(response.read())
+        return result
+
+    def engine_events(self) -> Counter[KVKey]:
+        page = self.get("/kv_events?after=0&limit=10000")
+        assert page["first_seq"] == 1, "the test's engine must still have all its batches"
+        keys: Counter[KVKey] = Counter()
+        for batch in page["batches"]:
+            for e in batch["events"]:
+                session = e["session_id"] or f"engine/{ENGINE_ID}"
+                keys[(session, e["kind"], e["tier"], tuple(e["block_hashes"]))] += 1
+        return keys
+
+    async def _log_events(self) -> Counter[KVKey]:
+        keys: Counter[KVKey] = Counter()
+        kinds = {ev.KVBlocksStored: "stored", ev.KVBlocksRemoved: "removed"}
+        async with (
+            open_log(self.log_url, actor="auditor", namespace=self.namespace) as log,
+            log.consumer(f"check-{uuid.uuid4().hex[:6]}", ["kv.events"], from_beginning=True) as consumer,
+        ):
+            idle = 0
+            while idle < 2:
+                events = await consumer.poll(timeout_s=0.5)
+                idle = 0 if events else idle + 1
+                for event in events:
+                    body = event.body
+                    assert isinstance(body, ev.KVBlocksStored | ev.KVBlocksRemoved), body
+                    assert body.engine_id == ENGINE_ID
+                    keys[(event.session_id, kinds[type(body)], str(body.tier), tuple(body.block_hashes))] += 1
+        return keys
+
+    def log_events(self) -> Counter[KVKey]:
+        return asyncio.run(self._log_events())
+
+    def wait_until_logged(self, timeout_s: float = 60) -> Counter[KVKey]:
+        """Poll the log until it holds as many events as the engine published; return both."""
+        deadline = time.monotonic() + timeout_s
+        expected = self.engine_events()
+        while True:
+            logged = self.log_events()
+            if logged.total() >= expected.total() or time.monotonic() > deadline:
+                assert logged == expected, (
+                    f"log has {logged.total()} events, engine {expected.total()}\n{self.bridge.log_tail()}"
+                )
+                return logged
+            assert self.bridge.alive(), self.bridge.log_tail()
+
+    def decide(self, session: str, action: CacheAction, ttl_ms: int | None = None) -> None:
+        async def append() -> None:
+            async with open_log(self.log_url, actor="cache-manager", namespace=self.namespace) as log:
+                body = ev.CacheDecisionMade(
+                    engine_id=ENGINE_ID, action=action, ttl_ms=ttl_ms, score=1.0,
+                    next_reference_ms=1000.0, num_blocks=0, reason="test",
+                )  # fmt: skip
+                await log.append(session, body)
+
+        asyncio.run(append())
+
+    def wait_for(self, predicate: Any, what: str, timeout_s: float = 30, check_alive: bool = True) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}\n{self.bridge.log_tail()}"
+            assert not check_alive or self.bridge.alive(), self.bridge.log_tail()
+            time.sleep(0.1)
+
+
+def _base_env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+@pytest.fixture
+def rig(kafka_bootstrap: str, namespace: str, tmp_path: Path) -> Any:
+    ensure_topics(f"kafka://{kafka_bootstrap}", namespace=namespace)
+    rig = Rig(kafka_bootstrap, namespace, tmp_path)
+    rig.engine.start()
+    try:
+        rig.wait_for_engine()
+        yield rig
+    finally:
+        rig.bridge.stop()
+        rig.engine.stop()
+
+
+@pytest.mark.parametrize("crash_at", ["", "bridge.before_append:2", "bridge.after_append:2"])
+def test_every_engine_event_lands_once_across_a_bridge_crash(rig: Rig, crash_at: str) -> None:
+    for i in range(3):
+        rig.call(f"a{i}", 0, 3 * BLOCK)  # 3 full blocks each
+    if crash_at:
+        # The bridge kills itself in the middle of its second batch; its replacement goes on.
+        rig.bridge.env = {**rig.bridge.env, "AGENTLOG_CRASH_AT": crash_at}
+        rig.bridge.start()
+        rig.wait_for(lambda: not rig.bridge.alive(), "the crash point", check_alive=False)
+        assert "crash point" in rig.bridge.log_tail(5)
+        rig.bridge.env = {**rig.bridge.env, "AGENTLOG_CRASH_AT": ""}
+    rig.bridge.start()
+    first = rig.wait_until_logged()
+    assert {key[0] for key in first} == {"a0", "a1", "a2"}
+
+    rig.bridge.kill()  # SIGKILL while idle, and the engine goes on without it
+    for i in range(3):
+        rig.call(f"b{i}", 0, 5 * BLOCK)  # 15 blocks more than fit: LRU evicts the a-sessions' blocks
+    rig.call("a0", 1, 4 * BLOCK)
+    rig.bridge.start()  # re-reads the engine's buffer from its first batch
+    logged = rig.wait_until_logged()
+    assert logged.total() > first.total()
+    assert any(kind == "removed" and session.startswith("a") for session, kind, _, _ in logged)
+    assert max(logged.values()) == 1, "an event was appended twice"
+
+
+def test_decisions_steer_the_engine_cache(rig: Rig) -> None:
+    rig.bridge.start()
+
+    def compete(tag: str) -> None:
+        # Two calls of 12 blocks each: the second needs blocks the first one left cached,
+        # so anything not pinned that was freed before them is evicted (LRU).
+        rig.call(f"{tag}-x", 0, 12 * BLOCK)
+        rig.call(f"{tag}-y", 0, 12 * BLOCK)
+
+    # Baseline: no decision, the prefix is evicted by the competing load.
+    rig.call("plain", 0, 4 * BLOCK)
+    compete("c1")
+    assert rig.call("plain", 1, 5 * BLOCK)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+    # Preserve: the pin keeps all 4 blocks of its context through the same load.
+    rig.call("kept", 0, 4 * BLOCK)
+    rig.decide("kept", CacheAction.PRESERVE, ttl_ms=600_000)
+    rig.wait_for(lambda: "kept" in rig.get("/stats")["pinned_sessions"], "the pin")
+    compete("c2")
+    assert rig.call("kept", 1, 5 * BLOCK)["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK
+
+    # Discard: its blocks are dropped at once (removed events in the log), nothing to reuse.
+    rig.decide("kept", CacheAction.DISCARD)
+    rig.wait_for(lambda: "kept" not in rig.get("/stats")["pinned_sessions"], "the discard")
+    assert rig.call("kept", 2, 6 * BLOCK)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+    # Swap: its blocks move to the host tier and come back on the next call.
+    rig.call("swapped", 0, 4 * BLOCK)
+    rig.decide("swapped", CacheAction.SWAP)
+    rig.wait_for(lambda: rig.get("/stats")["host_free_blocks"] == 4, "the swap")
+    compete("c3")
+    reply = rig.call("swapped", 1, 5 * BLOCK)
+    assert reply["agentlog"]["swapped_in_blocks"] == 4
+
+    # A swap with no host room is refused and changes nothing; the bridge goes on.
+    rig.call("big", 0, 10 * BLOCK)
+    rig.decide("big", CacheAction.SWAP)
+    rig.decide("big", CacheAction.PRESERVE, ttl_ms=600_000)
+    rig.wait_for(lambda: "big" in rig.get("/stats")["pinned_sessions"], "the pin after a refused swap")
+    assert "refused SWAP for big" in rig.bridge.log_tail(200)
+
+    logged = rig.wait_until_logged()
+    assert ("swapped", "stored", "CPU") in {key[:3] for key in logged}  # fmt: skip
+    assert any(key[0] == "kept" and key[1] == "removed" for key in logged)
+
+
+# ---------------------------------------------------------------- the sim source on its own
+
+
+async def _with_server(state_dir: Path, kv_buffer: int, body: Any) -> None:
+    """Run ``body(server, url)`` against a real sim server app served in-process."""
+    from aiohttp import web
+
+    from services.engine.cost import CostModel
+    from services.engine.kv_cache import PagedKVCache
+    from services.engine.sim import SimEngine
+    from workers.engines.sim_server import SimServer
+
+    server = SimServer(
+        SimEngine(PagedKVCache(BLOCK, 16), CostModel(block_size=BLOCK)),
+        state_dir,
+        engine_id=ENGINE_ID,
+        time_scale=0.0,
+        kv_buffer=kv_buffer,
+    )
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        await body(server, f"http://127.0.0.1:{port}")
+    finally:
+        await runner.cleanup()
+
+
+def _call(server: Any, session: str, tokens: int) -> None:
+    from schemas.events import SessionId
+    from services.programs.base import TokenRun
+
+    result = server.engine.call(SessionId(session), TokenRun(session, tokens).token_ids(), 1, now=0.0)
+    server._publish(result.events)
+
+
+def test_the_sim_source_reports_batches_it_can_no_longer_get(tmp_path: Path) -> None:
+    from workers.engine_bridge.base import KVEventsLost
+    from workers.engine_bridge.sim import SimKVSource
+
+    async def body(server: Any, url: str) -> None:
+        for i in range(4):
+            _call(server, f"s{i}", 2 * BLOCK)  # one batch each; the buffer keeps the last 2
+        source = SimKVSource(url, ENGINE_ID, poll_s=0.01)
+        try:
+            with pytest.raises(KVEventsLost) as lost:
+                await anext(aiter(source.batches((server.epoch, 0))))
+            assert (lost.value.first_missing, lost.value.first_available) == (1, 3)
+            # From "the oldest it still has" there is nothing missing: batches 3 and 4.
+            stream = source.batches(None)
+            got = [await anext(stream), await anext(stream)]
+            assert [b.seq for b in got] == [3, 4]
+            assert [b.events[0].session_id for b in got] == ["s2", "s3"]
+            await stream.aclose()
+            # A cursor of an earlier engine run: the engine restarted, its new run starts at 1
+            # (and here its first batches are gone, which is reported, not skipped silently).
+            with pytest.raises(KVEventsLost) as lost:
+                await anext(aiter(source.batches(("an-earlier-run", 7))))
+            assert (lost.value.epoch, lost.value.first_missing) == (server.epoch, 1)
+        finally:
+            await source.aclose()
+
+    asyncio.run(_with_server(tmp_path, 2, body))
+
+
+def test_kv_control_rejects_bad_input_and_refuses_what_the_cache_cannot_do(tmp_path: Path) -> None:
+    import aiohttp
+
+    async def body(server: Any, url: str) -> None:
+        async with aiohttp.ClientSession() as http:
+            for payload in ({"session_id": "s"}, {"session_id": "s", "action": "KEEP"}, {"action": "SWAP"}):
+                async with http.post(f"{url}/kv_control", json=payload) as response:
+                    assert response.status == 400, payload
+            _call(server, "s", 2 * BLOCK)
+            async with http.post(f"{url}/kv_control", json={"session_id": "s", "action": "SWAP"}) as response:
+                assert response.status == 409  # this engine has no host tier
+                assert "OutOfBlocks" in (await response.json())["reason"]
+            async with http.post(f"{url}/kv_control", json={"session_id": "s", "action": "DISCARD"}) as response:
+                assert (await response.json()) == {"applied": True, "blocks": 2}
+            async with http.get(f"{url}/kv_events", params={"after": "x"}) as response:
+                assert response.status == 400
+        assert server.engine.cache.blocks_of("s").num_context_blocks == 0
+
+    asyncio.run(_with_server(tmp_path, 100, body))
