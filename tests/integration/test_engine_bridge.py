@@ -96,7 +96,12 @@ class Rig:
         for batch in page["batches"]:
             for e in batch["events"]:
                 session = e["session_id"] or f"engine/{ENGINE_ID}"
-                keys[(session, e["kind"], e["tier"], tuple(e["block_hashes"]))] += 1
+                if e["kind"] == "hit":
+                    keys[(session, "hit", e["tier"], (e["call_id"], str(e["cached_tokens"])))] += 1
+                elif e["kind"] == "swapped":
+                    keys[(session, "swapped", e["to_tier"], (e["from_tier"], str(e["num_blocks"])))] += 1
+                else:
+                    keys[(session, e["kind"], e["tier"], tuple(e["block_hashes"]))] += 1
         return keys
 
     async def _log_events(self) -> Counter[KVKey]:
@@ -112,9 +117,16 @@ class Rig:
                 idle = 0 if events else idle + 1
                 for event in events:
                     body = event.body
-                    assert isinstance(body, ev.KVBlocksStored | ev.KVBlocksRemoved), body
+                    assert isinstance(body, ev.KVBlocksStored | ev.KVBlocksRemoved | ev.KVCacheHit | ev.KVSwapCompleted)
                     assert body.engine_id == ENGINE_ID
-                    keys[(event.session_id, kinds[type(body)], str(body.tier), tuple(body.block_hashes))] += 1
+                    if isinstance(body, ev.KVCacheHit):
+                        key = (event.session_id, "hit", str(body.tier), (body.call_id, str(body.cached_tokens)))
+                    elif isinstance(body, ev.KVSwapCompleted):
+                        detail = (str(body.from_tier), str(body.num_blocks))
+                        key = (event.session_id, "swapped", str(body.to_tier), detail)
+                    else:
+                        key = (event.session_id, kinds[type(body)], str(body.tier), tuple(body.block_hashes))
+                    keys[key] += 1
         return keys
 
     def log_events(self) -> Counter[KVKey]:
@@ -239,6 +251,9 @@ def test_decisions_steer_the_engine_cache(rig: Rig) -> None:
     assert "refused SWAP for big" in rig.bridge.log_tail(200)
 
     logged = rig.wait_until_logged()
+    assert ("swapped", "swapped", "CPU", ("GPU", "4")) in logged  # out, charged at PCIe bandwidth
+    assert ("swapped", "swapped", "GPU", ("CPU", "4")) in logged  # and back in by its next call
+    assert ("kept", "hit", "GPU", ("1", str(4 * BLOCK))) in logged
     assert ("swapped", "stored", "CPU") in {key[:3] for key in logged}  # fmt: skip
     assert any(key[0] == "kept" and key[1] == "removed" for key in logged)
 

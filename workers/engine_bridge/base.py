@@ -23,19 +23,29 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from schemas.events import CacheDecisionMade, KVAllBlocksCleared, KVBlocksRemoved, KVBlocksStored, SessionId
+from schemas.events import (
+    CacheDecisionMade,
+    KVAllBlocksCleared,
+    KVBlocksRemoved,
+    KVBlocksStored,
+    KVCacheHit,
+    KVSwapCompleted,
+    SessionId,
+)
 
 __all__ = [
     "ActuationRefused",
     "Actuator",
     "EngineBatch",
     "EngineKVEvent",
+    "KVBody",
     "KVEventsLost",
     "KVSource",
     "engine_session_id",
 ]
 
-KVBody = KVBlocksStored | KVBlocksRemoved | KVAllBlocksCleared
+KVBody = KVBlocksStored | KVBlocksRemoved | KVAllBlocksCleared | KVCacheHit | KVSwapCompleted
+"""Everything ``kv.events`` holds: block changes, and the engine's hit and swap reports."""
 
 
 def engine_session_id(engine_id: str) -> SessionId:

@@ -21,6 +21,8 @@ from schemas.events import (
     KVAllBlocksCleared,
     KVBlocksRemoved,
     KVBlocksStored,
+    KVCacheHit,
+    KVSwapCompleted,
     KVTier,
     SessionId,
 )
@@ -28,6 +30,7 @@ from workers.engine_bridge.base import (
     ActuationRefused,
     EngineBatch,
     EngineKVEvent,
+    KVBody,
     KVEventsLost,
     engine_session_id,
 )
@@ -41,10 +44,10 @@ _RETRY_S = 0.5
 
 def decode_event(engine_id: str, raw: dict[str, Any]) -> EngineKVEvent:
     """One event of the sim server's JSON as a log event body with its session."""
-    tier = KVTier(raw["tier"])
+    tier = KVTier(raw.get("tier", "GPU"))
     session = SessionId(raw["session_id"]) if raw.get("session_id") else engine_session_id(engine_id)
-    hashes = [str(h) for h in raw["block_hashes"]]
-    body: KVBlocksStored | KVBlocksRemoved | KVAllBlocksCleared
+    hashes = [str(h) for h in raw.get("block_hashes", ())]
+    body: KVBody
     if raw["kind"] == "stored":
         body = KVBlocksStored(
             engine_id=engine_id,
@@ -56,6 +59,16 @@ def decode_event(engine_id: str, raw: dict[str, Any]) -> EngineKVEvent:
         )
     elif raw["kind"] == "removed":
         body = KVBlocksRemoved(engine_id=engine_id, block_hashes=hashes, tier=tier)
+    elif raw["kind"] == "hit":
+        body = KVCacheHit(
+            engine_id=engine_id, call_id=str(raw["call_id"]), cached_tokens=int(raw["cached_tokens"]),
+            prompt_tokens=int(raw["prompt_tokens"]), tier=tier,
+        )  # fmt: skip
+    elif raw["kind"] == "swapped":
+        body = KVSwapCompleted(
+            engine_id=engine_id, from_tier=KVTier(raw["from_tier"]), to_tier=KVTier(raw["to_tier"]),
+            num_blocks=int(raw["num_blocks"]), duration_ms=float(raw["duration_ms"]),
+        )  # fmt: skip
     elif raw["kind"] == "cleared":
         body = KVAllBlocksCleared(engine_id=engine_id)
         session = engine_session_id(engine_id)

@@ -148,8 +148,20 @@ class SimServer:
                 )
             except Exception as e:  # e.g. a prompt larger than the whole KV cache
                 return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
-            await asyncio.sleep((result.prefill_ms + result.decode_ms) / 1000 * self.time_scale)
-            self._publish(result.events)
+            await asyncio.sleep((result.swap_ms + result.prefill_ms + result.decode_ms) / 1000 * self.time_scale)
+            extra = [
+                {
+                    "kind": "hit",
+                    "session_id": session_id,
+                    "call_id": request_id.rsplit("/", 1)[-1],
+                    "cached_tokens": result.cached_tokens,
+                    "prompt_tokens": result.prompt_tokens,
+                    "tier": "GPU",
+                }
+            ]
+            if result.swapped_in_blocks:
+                extra.append(self._swap_event(session_id, "CPU", "GPU", result.swapped_in_blocks, result.swap_ms))
+            self._publish(result.events, extra)
         response = {
             "id": request_id,
             "object": "text_completion",
@@ -179,9 +191,15 @@ class SimServer:
         crash_point("engine.after_record")  # recorded, not answered: a retry is answered from the record
         return web.json_response(response)
 
-    def _publish(self, events: Iterable[KVEvent]) -> None:
-        """One batch of KV events (one engine step), numbered like vLLM's stream."""
+    def _swap_event(self, session_id: str, from_tier: str, to_tier: str, blocks: int, ms: float) -> dict[str, Any]:
+        return {"kind": "swapped", "session_id": session_id, "from_tier": from_tier, "to_tier": to_tier,
+                "num_blocks": blocks, "duration_ms": ms}  # fmt: skip
+
+    def _publish(self, events: Iterable[KVEvent], extra: Iterable[dict[str, Any]] = ()) -> None:
+        """One batch of KV events (one engine step), numbered like vLLM's stream: the cache's
+        block events, then this step's hit and swap reports (``extra``)."""
         encoded = [{**kv_event_json(event), "block_size": self.engine.cache.block_size} for event in events]
+        encoded.extend(extra)
         if not encoded:
             return  # like vLLM, a step that changed nothing publishes nothing
         self.kv_seq += 1
@@ -248,7 +266,14 @@ class SimServer:
                 self._publish(cache.drain_events())
                 return web.json_response({"applied": False, "reason": f"{type(e).__name__}: {e}"}, status=409)
             self.num_controls += 1
-            self._publish(cache.drain_events())
+            extra = []
+            if action in (CacheAction.SWAP, CacheAction.PREFETCH) and blocks:
+                # The transfer occupies the engine (one PCIe link, no overlap with compute).
+                swap_ms = self.engine.cost.swap_ms(blocks)
+                await asyncio.sleep(swap_ms / 1000 * self.time_scale)
+                tiers = ("GPU", "CPU") if action is CacheAction.SWAP else ("CPU", "GPU")
+                extra.append(self._swap_event(session_id, *tiers, blocks, swap_ms))
+            self._publish(cache.drain_events(), extra)
         return web.json_response({"applied": True, "blocks": blocks})
 
     async def health(self, _request: web.Request) -> web.Response:
