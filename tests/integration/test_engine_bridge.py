@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import pytest
 from cli.common import ensure_topics
 from cli.stack import Process, free_port
 from log import open_log
+from log.types import system_clock
 from schemas import events as ev
 from schemas.events import CacheAction
 
@@ -145,9 +147,11 @@ class Rig:
                 return logged
             assert self.bridge.alive(), self.bridge.log_tail()
 
-    def decide(self, session: str, action: CacheAction, ttl_ms: int | None = None) -> None:
+    def decide(self, session: str, action: CacheAction, ttl_ms: int | None = None, at: datetime | None = None) -> None:
+        clock = (lambda: at) if at is not None else system_clock
+
         async def append() -> None:
-            async with open_log(self.log_url, actor="cache-manager", namespace=self.namespace) as log:
+            async with open_log(self.log_url, actor="cache-manager", namespace=self.namespace, clock=clock) as log:
                 body = ev.CacheDecisionMade(
                     engine_id=ENGINE_ID, action=action, ttl_ms=ttl_ms, score=1.0,
                     next_reference_ms=1000.0, num_blocks=0, reason="test",
@@ -249,6 +253,16 @@ def test_decisions_steer_the_engine_cache(rig: Rig) -> None:
     rig.decide("big", CacheAction.PRESERVE, ttl_ms=600_000)
     rig.wait_for(lambda: "big" in rig.get("/stats")["pinned_sessions"], "the pin after a refused swap")
     assert "refused SWAP for big" in rig.bridge.log_tail(200)
+
+    # A stale decision (made before the session's latest call: that gap is over) is skipped.
+    rig.call("late", 0, 4 * BLOCK)
+    before_second_call = datetime.now(UTC)
+    time.sleep(0.01)
+    rig.call("late", 1, 5 * BLOCK)
+    rig.wait_for(lambda: ("late", "hit", "GPU", ("1", str(4 * BLOCK))) in rig.log_events(), "the hit in the log")
+    rig.decide("late", CacheAction.PRESERVE, ttl_ms=600_000, at=before_second_call)
+    rig.wait_for(lambda: "stale PRESERVE for late skipped" in rig.bridge.log_tail(50), "the skip")
+    assert "late" not in rig.get("/stats")["pinned_sessions"]
 
     logged = rig.wait_until_logged()
     assert ("swapped", "swapped", "CPU", ("GPU", "4")) in logged  # out, charged at PCIe bandwidth

@@ -12,9 +12,11 @@ Two loops run side by side:
 - **decisions out**: ``kv.decisions`` records for this engine (``engine_id`` matches)
   are carried out by the ``Actuator``, then committed in the bridge's consumer group
   ``engine-bridge.<engine id>``; a crash between the two applies a decision again,
-  which every actuator verb tolerates (pin again, release again, ...). A PRESERVE whose
-  TTL had already run out when the bridge reads it (a bridge catching up after a long
-  outage) is skipped: pinning a long-gone gap would only waste memory.
+  which every actuator verb tolerates (pin again, release again, ...). A decision is
+  about one tool-call gap, so a *stale* one is skipped: a PRESERVE whose TTL had
+  already run out when the bridge reads it, and any decision for a session the engine
+  served a call to after the decision was made (the gap is over; a bridge catching up
+  after an outage must not swap out a session that is back at work).
 
 Engines plug in as modules ``workers.engine_bridge.<kind>`` with two functions,
 ``add_arguments(parser)`` and ``create(args) -> (KVSource, Actuator)``;
@@ -35,7 +37,7 @@ from datetime import UTC, datetime, timedelta
 
 from log import SharedLog
 from log.types import Draft
-from schemas.events import CacheAction, CacheDecisionMade, SessionId
+from schemas.events import CacheAction, CacheDecisionMade, KVCacheHit, SessionId
 from workers.crash import crash_point
 from workers.engine_bridge.base import ActuationRefused, Actuator, EngineBatch, KVEventsLost, KVSource
 
@@ -83,6 +85,7 @@ class EngineBridge:
         self.instance_id = instance_id
         self.stats = BridgeStats()
         self._stopping = asyncio.Event()
+        self._last_call_at: dict[str, float] = {}  # session -> engine time of its latest call
 
     # ------------------------------------------------------------ lifecycle
 
@@ -144,6 +147,9 @@ class EngineBridge:
         crash_point("bridge.before_append")
         await self.log.append_many(drafts)
         crash_point("bridge.after_append")  # appended, the cursor not advanced: the restart re-reads it
+        for event in batch.events:
+            if isinstance(event.body, KVCacheHit):  # every call reports one, hit or not
+                self._last_call_at[event.session_id] = batch.at
         self.stats.num_batches += 1
         self.stats.num_events += len(drafts)
         self.stats.cursor = (batch.epoch, batch.seq)
@@ -166,12 +172,18 @@ class EngineBridge:
         finally:
             await consumer.close()
 
-    async def apply(self, session_id: SessionId, decision: CacheDecisionMade, decided_at: datetime) -> None:
+    def is_stale(self, session_id: SessionId, decision: CacheDecisionMade, decided_at: datetime) -> bool:
+        if self._last_call_at.get(session_id, float("-inf")) > decided_at.timestamp():
+            return True
         if decision.action is CacheAction.PRESERVE and decision.ttl_ms is not None:
-            expires = decided_at + timedelta(milliseconds=decision.ttl_ms)
-            if expires <= datetime.now(UTC):
-                self.stats.num_decisions_skipped += 1
-                return
+            return decided_at + timedelta(milliseconds=decision.ttl_ms) <= datetime.now(UTC)
+        return False
+
+    async def apply(self, session_id: SessionId, decision: CacheDecisionMade, decided_at: datetime) -> None:
+        if self.is_stale(session_id, decision, decided_at):
+            self.stats.num_decisions_skipped += 1
+            _log.info("%s: stale %s for %s skipped", self.engine_id, decision.action, session_id)
+            return
         try:
             await self.actuator.apply(session_id, decision)
             crash_point("bridge.after_apply")  # applied, not committed: the restart applies it again
