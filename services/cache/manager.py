@@ -1,0 +1,367 @@
+"""The cache manager's incremental state: events in, decisions out, O(log n) per event.
+
+``CacheManager.apply(event_id, session_id, body, at)`` folds one log event (``at``: its
+time in seconds on the log's clock; the manager never reads a clock) and returns the
+decisions it causes, each with a deterministic event id. Pure: no I/O, no randomness;
+the same events in the same order always give the same decisions and ids.
+
+**Memory model** (from the log alone, never from the engine). ``gpu_total_blocks`` and
+``host_total_blocks`` come from configuration. A session's GPU blocks are the blocks
+``kv.events`` says it holds on the GPU; a session with no KV event at all (no engine
+bridge) is assumed to hold ``ceil(context_tokens / block_size)``. A session is *charged*
+(its blocks are not free) while
+
+- in an LLM call (``LLMCallStarted`` .. ``LLMCallCompleted``): ``max(need, held)``
+  with ``need = ceil((prompt_tokens + max_output_tokens) / block_size)``;
+- pinned by a PRESERVE decision whose TTL has not ended: its GPU blocks.
+
+Everything else is free or evictable (the engine's LRU, as vLLM frees blocks at the
+end of each call). ``used = sum(charged)``, ``gpu_free = max(0, total - used)``. The
+host tier is charged ``max(reserved, host blocks from kv.events)`` per swapped session
+(``reserved``: blocks of its SWAP decision), until its next LLM call swaps it back.
+
+**Triggers** (each decision's ``trigger_id`` is the event that caused it; its event id
+is ``uuid5(NAMESPACE, f"{trigger_id}/{kind}/{session_id}")``, so re-deciding the same
+events after a restart appends nothing twice):
+
+- ``gap``: ``ToolCallProposed`` (the LLM call is done, a tool or a human is next) and
+  ``end``: ``SessionFinished`` / ``SessionFailed``: the policy decides for that one
+  session (``CachePolicy.decide_session``, else ``decide([view])``) with the memory
+  state of the moment and no deficit: PRESERVE (pinned, TTL), SWAP, RELEASE or DISCARD.
+  A session holding no blocks gets no decision.
+- ``pressure``: ``LLMCallStarted`` charges the call; if ``used > total`` the manager
+  evicts pinned sessions, lowest survival score first (ties by session id), until the
+  deficit is covered: SWAP when the host has room and swap-in is cheaper than recompute
+  (``CachePolicy.can_swap``), else RELEASE (the engine frees what it needs, LRU).
+- ``ttl``: when the log's time passes a PRESERVE's TTL end, that session is decided
+  again (as of the TTL end; the trigger is the PRESERVE decision's event id).
+
+**Time** is the largest event time seen (a watermark): TTL ends fire, in order of (end,
+session id), before the first event at or after them is folded. Without events, no
+TTL fires (the engine's own pin ends at the TTL anyway; the re-score comes late).
+
+**Candidate heap, lazily updated.** Each PRESERVE pushes ``(score, session id,
+version)``; every change of a session's hold bumps its version, so an entry of an
+earlier hold is skipped when popped instead of being searched for and removed. The
+order is the score at the last (re)scoring (gap or TTL end), not re-computed at every
+event: a TTL is at most ``ttl_factor`` times the next-reference distance, which bounds
+how stale a score gets. Heaps are compacted when stale entries outnumber live ones,
+so each event costs O(log n) amortized.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import uuid
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from schemas.events import (
+    CacheAction,
+    CacheDecisionMade,
+    KVBlocksRemoved,
+    KVBlocksStored,
+    LLMCallCompleted,
+    LLMCallStarted,
+    Model,
+    SessionFailed,
+    SessionFinished,
+    SessionId,
+    ToolCallProposed,
+)
+from services.cache.policy import CacheDecision, CachePolicy, Delays, MemoryState
+from services.cache.view import CacheViewBuilder, SessionView
+
+__all__ = ["NAMESPACE", "CacheManager", "Decided", "Hold", "ManagerConfig", "decision_event_id"]
+
+NAMESPACE = uuid.UUID("3b0e7f52-51a4-4c55-9d6e-2f6a8c1d9e47")
+"""uuid5 namespace of decision event ids."""
+
+_MS_PER_S = 1000.0
+
+
+def decision_event_id(trigger_id: str, kind: str, session_id: str) -> str:
+    """The event id of the decision ``kind`` for ``session_id`` caused by ``trigger_id``."""
+    return str(uuid.uuid5(NAMESPACE, f"{trigger_id}/{kind}/{session_id}"))
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerConfig:
+    """The engine's capacity (blocks) and how to name it in decisions."""
+
+    gpu_total_blocks: int
+    host_total_blocks: int = 0
+    block_size: int = 16
+    engine_id: str = "sim-0"
+
+    def __post_init__(self) -> None:
+        if self.gpu_total_blocks <= 0 or self.host_total_blocks < 0 or self.block_size <= 0:
+            raise ValueError(
+                "need gpu_total_blocks > 0, host_total_blocks >= 0 and block_size > 0, got "
+                f"{self.gpu_total_blocks}, {self.host_total_blocks}, {self.block_size}"
+            )
+
+
+class Hold(StrEnum):
+    """What the manager believes the engine does with a session's blocks."""
+
+    NONE = "none"  # nothing decided: LRU-evictable
+    ACTIVE = "active"  # in an LLM call
+    PINNED = "pinned"  # PRESERVE, TTL running
+    SWAPPED = "swapped"
+    RELEASED = "released"
+    DISCARDED = "discarded"
+
+
+_HOLD_OF: dict[CacheAction, Hold] = {
+    CacheAction.PRESERVE: Hold.PINNED,
+    CacheAction.SWAP: Hold.SWAPPED,
+    CacheAction.RELEASE: Hold.RELEASED,
+    CacheAction.DISCARD: Hold.DISCARDED,
+    CacheAction.PREFETCH: Hold.NONE,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """One decision, what caused it, and its deterministic event id."""
+
+    event_id: str
+    trigger_id: str
+    kind: str  # gap, end, pressure, ttl
+    at: float
+    decision: CacheDecision
+
+    @property
+    def session_id(self) -> SessionId:
+        return self.decision.session_id
+
+    def to_event(self, engine_id: str, time_scale: float = 1.0) -> CacheDecisionMade:
+        """The log event. ``time_scale``: log seconds per manager second (TTLs and
+        distances go back to the log's clock)."""
+        d = self.decision
+        return CacheDecisionMade(
+            engine_id=engine_id,
+            action=d.action,
+            ttl_ms=None if d.ttl_s is None else round(d.ttl_s * time_scale * _MS_PER_S),
+            score=d.score,
+            next_reference_ms=None if math.isinf(d.next_reference_s) else d.next_reference_s * time_scale * _MS_PER_S,
+            num_blocks=d.num_blocks,
+            reason=d.reason,
+        )
+
+
+@dataclass(slots=True)
+class _Session:
+    hold: Hold = Hold.NONE
+    version: int = 0  # bumped at every hold change: heap entries of an older version are stale
+    need: int = 0  # blocks the running LLM call needs
+    charged: int = 0  # GPU blocks counted as used
+    host_reserved: int = 0  # host blocks its SWAP decision took
+    host_charged: int = 0
+    kv_seen: bool = False  # kv.events told us about it (else blocks are estimated from tokens)
+    pin_id: str = ""  # event id of the PRESERVE decision (the trigger of its TTL end)
+
+
+@dataclass(slots=True)
+class CacheManager:
+    """Folds events, keeps candidates and memory, decides per event (see the module docstring)."""
+
+    config: ManagerConfig
+    policy: CachePolicy = field(default_factory=CachePolicy)
+    builder: CacheViewBuilder = field(init=False)
+    now: float = 0.0
+    gpu_used: int = 0
+    host_used: int = 0
+    num_events: int = 0
+    num_decisions: int = 0
+    _sessions: dict[SessionId, _Session] = field(default_factory=dict)
+    _candidates: list[tuple[float, SessionId, int]] = field(default_factory=list)  # (score, sid, version)
+    _expiries: list[tuple[float, SessionId, int]] = field(default_factory=list)  # (ttl end, sid, version)
+    _num_pinned: int = 0
+
+    def __post_init__(self) -> None:
+        # One latency model: what the builder learns from effects is what the policy predicts with.
+        self.builder = CacheViewBuilder(latency=self.policy.latency)
+
+    # ------------------------------------------------------------------ reading
+
+    def hold(self, session_id: SessionId) -> Hold:
+        s = self._sessions.get(session_id)
+        return Hold.NONE if s is None else s.hold
+
+    def view(self, session_id: SessionId) -> SessionView:
+        """The session's view as the policy sees it (GPU blocks estimated without kv.events)."""
+        v = self.builder.view(session_id)
+        s = self._sessions.get(session_id)
+        if s is not None and not s.kv_seen:
+            v = replace(v, gpu_blocks=-(-v.context_tokens // self.config.block_size))
+        return v
+
+    def memory(self, needed_blocks: int = 0) -> MemoryState:
+        c = self.config
+        return MemoryState(
+            gpu_total_blocks=c.gpu_total_blocks,
+            gpu_free_blocks=max(0, c.gpu_total_blocks - self.gpu_used),
+            host_free_blocks=max(0, c.host_total_blocks - self.host_used),
+            needed_blocks=needed_blocks,
+        )
+
+    def delays(self) -> Delays:
+        return Delays(queue_s=self.builder.queue_delay_s, verdict_s=self.builder.verdict_delay_s)
+
+    # ------------------------------------------------------------------ folding
+
+    def apply(self, event_id: str, session_id: SessionId, body: Model, at: float) -> list[Decided]:
+        """Fold one event; the decisions it causes (TTL ends it passes first), in order."""
+        self.num_events += 1
+        out: list[Decided] = []
+        if at > self.now:
+            self._expire(at, out)
+            self.now = at
+        now = self.now
+        self.builder.apply(session_id, body, at)
+        s = self._sessions.get(session_id)
+        if s is None:
+            s = self._sessions[session_id] = _Session()
+        if isinstance(body, KVBlocksStored | KVBlocksRemoved):
+            s.kv_seen = True
+            self._recharge(session_id, s)
+        elif isinstance(body, LLMCallStarted):
+            s.need = -(-(body.prompt_tokens + body.max_output_tokens) // self.config.block_size)
+            s.host_reserved = 0  # the call brings swapped blocks back
+            self._set_hold(session_id, s, Hold.ACTIVE)
+            if self.gpu_used > self.config.gpu_total_blocks:
+                self._evict(event_id, session_id, now, out)
+        elif isinstance(body, LLMCallCompleted):
+            self._set_hold(session_id, s, Hold.NONE)  # vLLM frees the call's blocks (cached, LRU)
+        elif isinstance(body, ToolCallProposed):
+            self._decide(event_id, "gap", session_id, s, now, out)
+        elif isinstance(body, SessionFinished | SessionFailed):
+            self._decide(event_id, "end", session_id, s, now, out)
+            if s.hold is not Hold.DISCARDED:
+                s.host_reserved = 0
+                self._set_hold(session_id, s, Hold.DISCARDED)
+        self.num_decisions += len(out)
+        return out
+
+    def adopt(self, decided: Decided) -> None:
+        """Take ``decided`` as what happened instead of what this run decided under the same
+        event id (a restarted worker re-deciding events in another order than before: the
+        log's decision is the one the engine carried out)."""
+        s = self._sessions.get(decided.session_id)
+        if s is None:
+            s = self._sessions[decided.session_id] = _Session()
+        self._record(decided, s, [])
+
+    # ----------------------------------------------------------------- deciding
+
+    def _decide_one(self, view: SessionView, now: float) -> CacheDecision | None:
+        memory, delays = self.memory(), self.delays()
+        decide_session = getattr(self.policy, "decide_session", None)
+        if decide_session is not None:
+            decision: CacheDecision | None = decide_session(view, now, memory, delays)
+            return decision
+        decisions = self.policy.decide([view], now, memory, delays)
+        return decisions[0] if decisions else None
+
+    def _decide(self, trigger_id: str, kind: str, sid: SessionId, s: _Session, now: float, out: list[Decided]) -> None:
+        if s.hold is Hold.ACTIVE:
+            return  # blocks in use (an event of the next call was read first)
+        decision = self._decide_one(self.view(sid), now)
+        if decision is not None:
+            self._record(Decided(decision_event_id(trigger_id, kind, sid), trigger_id, kind, now, decision), s, out)
+
+    def _record(self, decided: Decided, s: _Session, out: list[Decided]) -> None:
+        d = decided.decision
+        sid = d.session_id
+        if d.action is CacheAction.SWAP:
+            s.host_reserved = d.num_blocks
+        self._set_hold(sid, s, _HOLD_OF[d.action])
+        if d.action is CacheAction.PRESERVE:
+            assert d.ttl_s is not None  # the policy gives every PRESERVE a TTL
+            s.pin_id = decided.event_id
+            heapq.heappush(self._candidates, (d.score, sid, s.version))
+            heapq.heappush(self._expiries, (decided.at + d.ttl_s, sid, s.version))
+            self._compact()
+        out.append(decided)
+
+    def _evict(self, trigger_id: str, requester: SessionId, now: float, out: list[Decided]) -> None:
+        """Evict pinned sessions, lowest score first, until the GPU is not over-committed."""
+        delays = self.delays()
+        while self.gpu_used > self.config.gpu_total_blocks and self._candidates:
+            _, sid, version = heapq.heappop(self._candidates)
+            s = self._sessions[sid]
+            if s.version != version or s.hold is not Hold.PINNED or sid == requester:
+                continue  # stale: the session's hold changed since it was pushed
+            view = self.view(sid)
+            host_free = max(0, self.config.host_total_blocks - self.host_used)
+            if self.policy.can_swap(view.gpu_blocks, host_free):
+                action, reason = CacheAction.SWAP, "memory pressure: swap-in is cheaper than recompute"
+            else:
+                action, reason = CacheAction.RELEASE, "memory pressure: no host room or recompute is cheaper"
+            decision = CacheDecision(
+                sid,
+                action,
+                self.policy.score(view, now, host_free, delays),
+                self.policy.next_reference_s(view, now, delays),
+                view.gpu_blocks,
+                reason=reason,
+            )
+            self._record(
+                Decided(decision_event_id(trigger_id, "pressure", sid), trigger_id, "pressure", now, decision), s, out
+            )
+
+    def _expire(self, until: float, out: list[Decided]) -> None:
+        """Decide again for every pinned session whose TTL ends at or before ``until``."""
+        while self._expiries and self._expiries[0][0] <= until:
+            end, sid, version = heapq.heappop(self._expiries)
+            s = self._sessions[sid]
+            if s.version != version or s.hold is not Hold.PINNED:
+                continue
+            self._set_hold(sid, s, Hold.NONE)  # the engine's pin ended
+            decision = self._decide_one(self.view(sid), end)
+            if decision is not None:
+                trigger = s.pin_id
+                self._record(Decided(decision_event_id(trigger, "ttl", sid), trigger, "ttl", end, decision), s, out)
+
+    # ------------------------------------------------------------------ memory
+
+    def _set_hold(self, sid: SessionId, s: _Session, hold: Hold) -> None:
+        if (s.hold is Hold.PINNED) != (hold is Hold.PINNED):
+            self._num_pinned += 1 if hold is Hold.PINNED else -1
+        s.hold = hold
+        s.version += 1
+        self._recharge(sid, s)
+
+    def _recharge(self, sid: SessionId, s: _Session) -> None:
+        """Recount what the session holds after its hold or its blocks changed."""
+        blocks = self.view(sid).gpu_blocks
+        if s.hold is Hold.ACTIVE:
+            charged = max(s.need, blocks)
+        elif s.hold is Hold.PINNED:
+            charged = blocks
+        else:
+            charged = 0
+        self.gpu_used += charged - s.charged
+        s.charged = charged
+        host_charged = 0
+        if s.hold is Hold.SWAPPED:
+            host_blocks = self.builder.view(sid).host_blocks if s.kv_seen else 0
+            host_charged = max(s.host_reserved, host_blocks)
+        self.host_used += host_charged - s.host_charged
+        s.host_charged = host_charged
+
+    def _compact(self) -> None:
+        """Drop stale heap entries once they outnumber live ones (amortized O(1) per push)."""
+        limit = 2 * self._num_pinned + 64
+        for heap in (self._candidates, self._expiries):
+            if len(heap) > limit:
+                live = [e for e in heap if self._is_live(e)]
+                heapq.heapify(live)
+                heap[:] = live
+
+    def _is_live(self, entry: tuple[float, SessionId, int]) -> bool:
+        s = self._sessions[entry[1]]
+        return s.version == entry[2] and s.hold is Hold.PINNED

@@ -1,0 +1,233 @@
+"""The incremental cache manager: exact decisions, orders, ids and memory accounting."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from schemas import events as ev
+from schemas.events import CacheAction, KVTier, SessionId
+from services.cache import CachePolicy
+from services.cache.manager import CacheManager, Decided, Hold, ManagerConfig, decision_event_id
+
+pytestmark = pytest.mark.unit
+
+
+class Feed:
+    """Builds events for one manager and remembers their ids."""
+
+    def __init__(self, *, gpu: int = 100, host: int = 0) -> None:
+        self.manager = CacheManager(ManagerConfig(gpu_total_blocks=gpu, host_total_blocks=host))
+        self.ids = itertools.count()
+        self.last_id = ""
+
+    def send(self, sid: str, body: ev.Event, at: float) -> list[Decided]:
+        self.last_id = f"e{next(self.ids)}"
+        return self.manager.apply(self.last_id, SessionId(sid), body, at)
+
+    def llm(self, sid: str, at: float, prompt: int, *, output: int = 16, max_output: int = 16) -> list[Decided]:
+        started = ev.LLMCallStarted(
+            call_id="c", turn=0, engine_id="e", prompt_tokens=prompt, max_output_tokens=max_output, prompt_digest="d"
+        )
+        return self.send(sid, started, at)
+
+    def done(self, sid: str, at: float, prompt: int, *, output: int = 16) -> list[Decided]:
+        completed = ev.LLMCallCompleted(
+            call_id="c",
+            engine_id="e",
+            prompt_tokens=prompt,
+            cached_tokens=0,
+            output_tokens=output,
+            output_text="",
+            finish_reason="stop",
+            queue_ms=0,
+            prefill_ms=1,
+            decode_ms=1,
+        )
+        return self.send(sid, completed, at)
+
+    def turn(self, sid: str, at: float, prompt: int) -> list[Decided]:
+        """An LLM call of ``prompt + 16`` tokens from ``at`` to ``at + 0.1``."""
+        return self.llm(sid, at, prompt) + self.done(sid, at + 0.1, prompt)
+
+    def propose(self, sid: str, at: float, tool: str = "search") -> list[Decided]:
+        proposed = ev.ToolCallProposed(
+            call_id=f"t{at}", tool=tool, arguments_json="{}", effect_class=ev.EffectClass.PURE, idempotency_key="k"
+        )
+        return self.send(sid, proposed, at)
+
+    def pinned(self, sid: str, at: float, prompt: int) -> Decided:
+        """A turn then a tool proposal; returns the (single) gap decision."""
+        assert self.turn(sid, at, prompt) == []
+        (decided,) = self.propose(sid, at + 0.2)
+        return decided
+
+
+def actions(decided: list[Decided]) -> list[tuple[str, CacheAction, str]]:
+    return [(d.session_id, d.decision.action, d.kind) for d in decided]
+
+
+def test_a_gap_preserves_the_session_with_a_ttl_of_twice_its_next_reference_distance() -> None:
+    feed = Feed()
+    decided = feed.pinned("a", 0.0, 304)  # 304 + 16 tokens = 20 blocks
+    d = decided.decision
+    assert (d.action, d.num_blocks, d.next_reference_s, d.ttl_s) == (CacheAction.PRESERVE, 20, 5.0, 10.0)
+    assert decided.kind == "gap" and decided.trigger_id == feed.last_id and decided.at == pytest.approx(0.2)
+    assert decided.event_id == decision_event_id(feed.last_id, "gap", "a")
+    assert feed.manager.hold(SessionId("a")) is Hold.PINNED
+    assert feed.manager.gpu_used == 20
+    event = decided.to_event("sim-0")
+    assert (event.action, event.ttl_ms, event.next_reference_ms, event.num_blocks) == (
+        CacheAction.PRESERVE,
+        10_000,
+        5000.0,
+        20,
+    )
+    # log seconds per manager second: TTLs and distances go back to the log's clock
+    assert decided.to_event("sim-0", time_scale=0.01).ttl_ms == 100
+
+
+def test_a_gap_decision_is_what_the_policy_decides_for_that_session() -> None:
+    feed = Feed()
+    feed.pinned("a", 0.0, 304)
+    feed.turn("b", 1.0, 1000)
+    manager = feed.manager
+    memory, delays = manager.memory(), manager.delays()  # as of the decision: b is not charged
+    (decided,) = feed.propose("b", 1.3)
+    view = manager.view(SessionId("b"))  # in the tool phase now
+    (expected,) = CachePolicy(latency=manager.policy.latency).decide([view], 1.3, memory, delays)
+    assert decided.decision == expected
+
+
+def test_the_llm_call_charges_its_need_and_frees_it_when_done() -> None:
+    feed = Feed()
+    assert feed.llm("a", 0.0, 300, max_output=100) == []
+    assert feed.manager.gpu_used == 25  # ceil(400 / 16)
+    assert feed.manager.hold(SessionId("a")) is Hold.ACTIVE
+    feed.done("a", 1.0, 300)
+    assert feed.manager.gpu_used == 0  # vLLM frees blocks at the end of a call (LRU)
+
+
+def test_memory_pressure_evicts_pinned_sessions_lowest_score_first_until_the_call_fits() -> None:
+    feed = Feed(gpu=100)
+    scores = {sid: feed.pinned(sid, at, prompt).decision.score for sid, at, prompt in
+              (("a", 0.0, 304), ("b", 1.0, 624), ("c", 2.0, 144))}  # fmt: skip
+    # 20, 40 and 10 blocks, same distance: a bigger context costs more to recompute per block
+    assert scores["c"] < scores["a"] < scores["b"]
+    assert feed.manager.gpu_used == 70
+    decided = feed.llm("d", 3.0, 944)  # needs 60: 130 > 100, evict 30 blocks
+    assert actions(decided) == [("c", CacheAction.RELEASE, "pressure"), ("a", CacheAction.RELEASE, "pressure")]
+    assert [d.decision.num_blocks for d in decided] == [10, 20]
+    assert all(d.trigger_id == feed.last_id for d in decided)
+    assert decided[0].event_id == decision_event_id(feed.last_id, "pressure", "c")
+    assert feed.manager.gpu_used == 100
+    assert feed.manager.hold(SessionId("b")) is Hold.PINNED
+
+
+def test_under_pressure_a_victim_is_swapped_while_the_host_has_room() -> None:
+    feed = Feed(gpu=100, host=15)
+    for sid, at, prompt in (("a", 0.0, 304), ("b", 1.0, 624), ("c", 2.0, 144)):
+        feed.pinned(sid, at, prompt)
+    decided = feed.llm("d", 3.0, 944)
+    # c (10 blocks) fits in the host's 15, a (20) does not
+    assert actions(decided) == [("c", CacheAction.SWAP, "pressure"), ("a", CacheAction.RELEASE, "pressure")]
+    assert feed.manager.host_used == 10
+    feed.turn("c", 4.0, 144)  # its next call swaps it back in
+    assert feed.manager.host_used == 0
+
+
+def test_a_candidate_whose_hold_changed_is_skipped_in_the_heap() -> None:
+    feed = Feed(gpu=100)
+    for sid, at, prompt in (("a", 0.0, 304), ("b", 1.0, 624), ("c", 2.0, 144)):
+        feed.pinned(sid, at, prompt)
+    feed.llm("c", 3.0, 144)  # c (lowest score) is back in a call: its heap entry is stale
+    decided = feed.llm("d", 3.5, 944)  # 20 + 40 + 10 + 60 = 130: evict 30
+    assert actions(decided) == [("a", CacheAction.RELEASE, "pressure"), ("b", CacheAction.RELEASE, "pressure")]
+
+
+def test_a_ttl_end_decides_again_before_the_event_that_passes_it() -> None:
+    feed = Feed()
+    first = feed.pinned("a", 0.0, 304)  # PRESERVE at 0.2, TTL 10 s: ends at 10.2
+    assert feed.turn("b", 10.0, 100) == []
+    decided = feed.llm("b", 12.0, 100)
+    (again,) = decided
+    assert (again.kind, again.trigger_id) == ("ttl", first.event_id)
+    assert again.at == pytest.approx(10.2)
+    assert again.event_id == decision_event_id(first.event_id, "ttl", "a")
+    assert (again.decision.action, again.decision.ttl_s) == (CacheAction.PRESERVE, 10.0)
+    assert feed.manager.hold(SessionId("a")) is Hold.PINNED
+
+
+def test_ttl_ends_fire_in_order_of_end_then_session() -> None:
+    feed = Feed()
+    feed.pinned("c", 0.0, 304)  # TTL ends at 10.2
+    feed.pinned("b", 1.0, 304)  # at 11.2
+    feed.pinned("a", 1.0, 304)  # at 11.2 too
+    decided = feed.llm("z", 15.0, 10)
+    assert [(d.session_id, d.kind) for d in decided] == [("c", "ttl"), ("a", "ttl"), ("b", "ttl")]
+
+
+def test_a_finished_session_is_discarded_and_frees_its_pin() -> None:
+    feed = Feed()
+    feed.pinned("a", 0.0, 304)
+    feed.turn("a", 1.0, 400)
+    decided = feed.send("a", ev.SessionFinished(output_json="{}", num_llm_calls=2, num_tool_calls=1), 1.5)
+    assert actions(decided) == [("a", CacheAction.DISCARD, "end")]
+    assert decided[0].decision.next_reference_s == float("inf")
+    assert decided[0].to_event("sim-0").next_reference_ms is None
+    assert feed.manager.gpu_used == 0
+    assert feed.manager.hold(SessionId("a")) is Hold.DISCARDED
+
+
+def test_a_session_with_no_blocks_gets_no_decision() -> None:
+    feed = Feed()
+    assert feed.propose("a", 0.0) == []
+    assert feed.send("a", ev.SessionFailed(reason="x", error_type="E"), 1.0) == []
+
+
+def test_kv_events_replace_the_token_estimate() -> None:
+    feed = Feed()
+    feed.pinned("a", 0.0, 304)
+    assert feed.manager.gpu_used == 20  # estimated from 320 tokens
+    hashes = [f"h{i}" for i in range(5)]
+    stored = ev.KVBlocksStored(engine_id="e", block_hashes=hashes, num_tokens=80, block_size=16, tier=KVTier.GPU)
+    feed.send("a", stored, 0.3)
+    assert feed.manager.gpu_used == 5
+    feed.send(
+        "a", ev.KVBlocksStored(engine_id="e", block_hashes=hashes, num_tokens=80, block_size=16, tier=KVTier.GPU), 0.4
+    )
+    assert feed.manager.gpu_used == 5  # the same hashes again: idempotent
+    feed.send("a", ev.KVBlocksRemoved(engine_id="e", block_hashes=hashes[3:], tier=KVTier.GPU), 0.5)
+    assert feed.manager.gpu_used == 3
+    assert feed.manager.view(SessionId("a")).gpu_blocks == 3
+
+
+def test_the_same_events_give_the_same_decisions_and_ids() -> None:
+    runs = []
+    for _ in range(2):
+        feed = Feed(gpu=80, host=10)
+        out: list[Decided] = []
+        for i in range(12):
+            sid = f"s{i % 5}"
+            out += feed.turn(sid, i * 1.5, 100 + 64 * i)
+            out += feed.propose(sid, i * 1.5 + 0.3)
+        out += feed.llm("big", 40.0, 1200)
+        runs.append(out)
+    assert runs[0] == runs[1]
+    assert len({d.event_id for d in runs[0]}) == len(runs[0])
+    assert {d.kind for d in runs[0]} >= {"gap", "pressure", "ttl"}
+
+
+def test_stale_heap_entries_are_compacted() -> None:
+    feed = Feed(gpu=10_000)
+    for i in range(400):
+        feed.turn("a", i * 1.0, 100)  # each call makes the previous pin stale
+        feed.propose("a", i * 1.0 + 0.5)
+    assert len(feed.manager._candidates) <= 2 * 1 + 64 + 1
+    assert len(feed.manager._expiries) <= 2 * 1 + 64 + 1
+
+
+def test_bad_capacity_is_refused() -> None:
+    with pytest.raises(ValueError, match="gpu_total_blocks > 0"):
+        ManagerConfig(gpu_total_blocks=0)

@@ -1,0 +1,104 @@
+"""The worker's replay rules, on decoded events without a broker (``process`` does no I/O).
+
+After a restart the worker re-reads the log from offset 0; up to the end offsets seen
+at start, a decision is appended only when the previous run cannot have appended it
+(see workers/cache_manager.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from log import Draft, LoggedEvent, Position, SharedLog, backend_for
+from schemas import events as ev
+from schemas.events import CacheAction
+from services.cache.manager import ManagerConfig
+from tests.unit.services.helpers import envelope
+from workers.cache_manager import CacheManagerWorker, scaled
+
+pytestmark = pytest.mark.unit
+
+ACTIONS = "agent.actions"
+
+
+def worker(time_scale: float = 1.0) -> CacheManagerWorker:
+    log = SharedLog(backend_for("kafka://127.0.0.1:1"), actor="cache-manager")  # never started: no I/O here
+    return CacheManagerWorker(log, config=ManagerConfig(gpu_total_blocks=1000), time_scale=time_scale)
+
+
+def gap(session: str, offset: int, at_s: float) -> list[LoggedEvent]:
+    """An LLM call and a tool proposal of ``session`` on partition 0 of agent.actions, from ``offset``."""
+    bodies: list[ev.Event] = [
+        ev.LLMCallStarted(call_id="c", turn=0, engine_id="e", prompt_tokens=300, max_output_tokens=20,
+                          prompt_digest="d"),
+        ev.LLMCallCompleted(call_id="c", engine_id="e", prompt_tokens=300, cached_tokens=0, output_tokens=20,
+                            output_text="", finish_reason="stop", queue_ms=0, prefill_ms=1, decode_ms=1),
+        ev.ToolCallProposed(call_id=f"t{offset}", tool="search", arguments_json="{}",
+                            effect_class=ev.EffectClass.PURE, idempotency_key="k"),
+    ]  # fmt: skip
+    return [
+        LoggedEvent(Position(ACTIONS, 0, offset + i), envelope(body, session=session, at_s=at_s + 0.1 * i))
+        for i, body in enumerate(bodies)
+    ]
+
+
+def decision(draft: Draft) -> ev.CacheDecisionMade:
+    assert isinstance(draft.body, ev.CacheDecisionMade)
+    return draft.body
+
+
+def test_live_events_are_appended_at_once() -> None:
+    events = gap("a", 0, 0.0)
+    drafts, ready = worker().process(events, received=1.0)
+    assert [decision(d).action for d in drafts] == [CacheAction.PRESERVE]
+    assert ready == [1.0]
+    assert drafts[0].causation_id == events[2].envelope.event_id and drafts[0].session_id == "a"
+
+
+def test_a_replay_with_nothing_logged_holds_every_decision_until_it_has_caught_up() -> None:
+    w = worker()
+    w._boundary = {(ACTIONS, 0): 6}
+    drafts, _ = w.process(gap("a", 0, 0.0) + gap("b", 3, 1.0), received=0.0)
+    assert drafts == []
+    flushed = w._flush_pending()
+    assert [d.session_id for d in flushed] == ["a", "b"]
+    assert w.stats.num_recovered == 2
+
+
+def test_a_replay_appends_only_what_follows_the_last_logged_event_of_a_partition() -> None:
+    first = worker()
+    events = gap("a", 0, 0.0) + gap("b", 3, 1.0) + gap("c", 6, 2.0)
+    drafts, _ = first.process(events, received=0.0)
+    ids = {d.session_id: str(d.event_id) for d in drafts}
+    assert set(ids) == {"a", "b", "c"}
+
+    # The previous run logged b's decision, not a's (it decided otherwise for a) nor c's (it died).
+    second = worker()
+    second._boundary = {(ACTIONS, 0): 9}
+    second._logged = {ids["b"]: decision(drafts[1])}
+    assert second.process(events, received=0.0)[0] == []
+    assert [d.event_id for d in second._flush_pending()] == [ids["c"]]
+    stats = second.stats
+    assert (stats.num_replayed, stats.num_diverged, stats.num_recovered, stats.num_adopted) == (1, 1, 1, 0)
+
+
+def test_a_logged_decision_that_differs_is_adopted() -> None:
+    events = gap("a", 0, 0.0)
+    (draft,) = worker().process(events, received=0.0)[0]
+    w = worker()
+    w._boundary = {(ACTIONS, 0): 3}
+    released = decision(draft).model_copy(update={"action": CacheAction.RELEASE, "ttl_ms": None})
+    w._logged = {str(draft.event_id): released}
+    assert w.process(events, received=0.0)[0] == []
+    assert w.stats.num_adopted == 1
+    assert w.manager.hold("a").value == "released"  # type: ignore[arg-type]
+
+
+def test_times_and_ttls_follow_the_time_scale() -> None:
+    compressed = worker(time_scale=0.01)  # 1 log second = 100 simulated seconds
+    (draft,) = compressed.process(gap("a", 0, 0.0), received=0.0)[0]
+    (plain,) = worker().process(gap("a", 0, 0.0), received=0.0)[0]
+    assert decision(plain).ttl_ms == 10_000  # twice the prior's 5 s
+    assert decision(draft).ttl_ms == 100  # the same 10 simulated seconds, in log time
+    completed = ev.ToolCallCompleted(call_id="t", result_json="{}", result_tokens=0, duration_ms=30)
+    assert scaled(completed, 0.01).duration_ms == pytest.approx(3000)  # type: ignore[attr-defined]

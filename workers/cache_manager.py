@@ -1,0 +1,313 @@
+"""The cache manager worker: reads the log, keeps ``services.cache.manager`` state, appends decisions.
+
+Reads ``agent.actions`` (LLM calls, tool proposals, session ends), ``agent.effects``
+(tool starts and durations: the latency model) and ``kv.events`` (blocks per session
+and tier), as its own principal ``cache-manager``; appends ``CacheDecisionMade`` to
+``kv.decisions`` (keyed by the decided session, ``causation_id`` = the trigger) and
+nothing else. It never talks to the engine: the engine bridge applies the decisions.
+
+Memory is global to an engine, so **one cache manager owns every partition** (run one
+per engine; a static ``--instance-id`` takes them back at once after a restart).
+
+**Time.** The manager's clock is the log's: an event's time is its ``occurred_at``
+divided by ``--time-scale`` (log seconds per simulated second, as for the engine and the
+executor), tool durations likewise; TTLs and distances are multiplied back when
+written, so ``ttl_ms`` is in log time, as the engine expects.
+
+**Each poll**: fold every event (``CacheManager.apply``), append the batch's decisions
+with one ``append_many`` and wait for it, then commit the offsets. A decision's event id
+is ``uuid5(trigger event id, kind, session)``: appending it again is a no-op.
+
+**Recovery: re-read from the beginning, with kv.decisions as the record of what was
+decided.** State (views, pins, TTLs, memory, the latency model) is a fold of the whole
+log, so a restart re-reads the input topics from offset 0 (committed offsets are kept
+for monitoring only). It first reads every ``CacheDecisionMade`` already in the log.
+Up to the end offsets seen at start (the replay), an event's decisions are
+
+- *in the log* (same id): not appended again; if the logged one differs (the events
+  were read in another order before), the manager adopts the logged one, which is what
+  the engine carried out (``num_adopted``);
+- *not in the log*, for an event after the last event of its partition that has a
+  decision in the log: the previous run read it and died before appending; these are
+  held until the replay ends and then appended (``num_recovered``): no decision is lost;
+- *not in the log*, for an event before that: the previous run decided otherwise for
+  it (another order of events); not appended, so an old event never gets a second, late
+  decision (``num_diverged``).
+
+Why not resume from committed offsets plus a rebuild: the rebuild needs the events
+before the committed offsets in any case, and the ``SharedLog`` interface does not
+expose committed offsets; reading from 0 is one code path for first start and
+restart, and the decisions in the log tell what was done.
+
+Crash points (workers/crash.py): ``cache-manager.before_append`` (decided, not
+appended) and ``cache-manager.after_append`` (appended, offsets not committed).
+
+Run: ``python -m workers.cache_manager [--log-url URL] --gpu-blocks N [--host-blocks N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from log import Draft, LoggedEvent, SharedLog
+from schemas import events as ev
+from schemas.events import CacheDecisionMade, Model, SessionId
+from services.cache.manager import CacheManager, Decided, ManagerConfig
+from services.cache.policy import CachePolicy
+from workers.crash import crash_point
+
+_log = logging.getLogger(__name__)
+
+INPUT_TOPICS = ("agent.actions", "agent.effects", "kv.events")
+DECISIONS_TOPIC = "kv.decisions"
+
+
+@dataclass
+class WorkerStats:
+    """Counters, and per-event latencies when ``record_latency`` is on (benchmarks)."""
+
+    num_events: int = 0
+    num_decisions: int = 0  # decided by this run, appended or found in the log
+    num_appended: int = 0  # handed to append_many (already-logged ids are no-ops there)
+    num_replayed: int = 0  # found in the log during the replay
+    num_adopted: int = 0
+    num_recovered: int = 0
+    num_diverged: int = 0
+    record_latency: bool = False
+    decide_s: list[float] = field(default_factory=list)  # fold+decide of one triggering event
+    ready_s: list[float] = field(default_factory=list)  # poll return -> its decisions ready
+    appended_s: list[float] = field(default_factory=list)  # poll return -> append acknowledged
+
+    def summary(self) -> str:
+        names = ("events", "decisions", "appended", "replayed", "adopted", "recovered", "diverged")
+        return " ".join(f"{n}={getattr(self, 'num_' + n)}" for n in names)
+
+
+def scaled(body: Model, time_scale: float) -> Model:
+    """The body in manager time: tool durations are measured on the log's (compressed) clock."""
+    if time_scale != 1.0 and isinstance(body, ev.ToolCallCompleted | ev.ToolCallFailed):
+        return body.model_copy(update={"duration_ms": body.duration_ms / time_scale})
+    return body
+
+
+def logged_as_decided(previous: Decided, logged: CacheDecisionMade, time_scale: float) -> Decided:
+    """The decision the log holds under ``previous``'s id, in manager terms."""
+    ttl = None if logged.ttl_ms is None else logged.ttl_ms / 1000.0 / time_scale
+    decision = replace(
+        previous.decision, action=logged.action, ttl_s=ttl, score=logged.score, num_blocks=logged.num_blocks
+    )
+    return replace(previous, decision=decision)
+
+
+class CacheManagerWorker:
+    role = "cache-manager"
+    topics: Sequence[str] = INPUT_TOPICS
+
+    def __init__(
+        self,
+        log: SharedLog,
+        *,
+        config: ManagerConfig,
+        policy: CachePolicy | None = None,
+        group: str | None = None,
+        instance_id: str | None = None,
+        time_scale: float = 1.0,
+        poll_timeout_s: float = 0.5,
+        max_records: int = 500,
+        stats: WorkerStats | None = None,
+    ) -> None:
+        if time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        self.log = log
+        self.config = config
+        self.manager = CacheManager(config, policy if policy is not None else CachePolicy())
+        self.group = group or self.role
+        self.instance_id = instance_id
+        self.time_scale = time_scale
+        self.poll_timeout_s = poll_timeout_s
+        self.max_records = max_records
+        self.stats = stats if stats is not None else WorkerStats()
+        self.caught_up = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._logged: dict[str, CacheDecisionMade] = {}
+        self._boundary: dict[tuple[str, int], int] = {}
+        self._pending: dict[tuple[str, int], list[Decided]] = {}
+
+    # ------------------------------------------------------ process plumbing
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        env = os.environ.get
+        parser.add_argument("--gpu-blocks", type=int, default=int(env("AGENTLOG_CACHE_GPU_BLOCKS", "4096")))
+        parser.add_argument("--host-blocks", type=int, default=int(env("AGENTLOG_CACHE_HOST_BLOCKS", "4096")))
+        parser.add_argument("--block-size", type=int, default=16)
+        parser.add_argument("--engine-id", default=env("AGENTLOG_ENGINE_ID", "sim-0"))
+        parser.add_argument(
+            "--time-scale",
+            type=float,
+            default=float(env("AGENTLOG_TIME_SCALE", "1")),
+            help="log seconds per simulated second (as for the engine and the executor)",
+        )
+        parser.add_argument("--max-records", type=int, default=500, help="events per poll (one append per poll)")
+
+    @classmethod
+    async def create(cls, log: SharedLog, args: argparse.Namespace) -> CacheManagerWorker:
+        config = ManagerConfig(
+            gpu_total_blocks=args.gpu_blocks,
+            host_total_blocks=args.host_blocks,
+            block_size=args.block_size,
+            engine_id=args.engine_id,
+        )
+        return cls(
+            log,
+            config=config,
+            group=args.group,
+            instance_id=args.instance_id,
+            time_scale=args.time_scale,
+            max_records=args.max_records,
+        )
+
+    async def close(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        """Ask ``run()`` to stop after the current poll (its decisions appended and committed)."""
+        self._stopping.set()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.shutdown)
+
+    # -------------------------------------------------------------------- loop
+
+    async def run(self) -> None:
+        self._logged = await self.read_decisions()
+        for topic in self.topics:
+            for partition, end in (await self.log.end_offsets(topic)).items():
+                self._boundary[(topic, partition)] = end
+        _log.info(
+            "cache manager: %d decisions in the log; replaying %d events",
+            len(self._logged),
+            sum(self._boundary.values()),
+        )
+        consumer = await self.log.consumer(
+            self.group, list(self.topics), from_beginning=True, instance_id=self.instance_id
+        ).start()
+        try:
+            while not self._stopping.is_set():
+                events = await consumer.poll(timeout_s=self.poll_timeout_s, max_records=self.max_records)
+                received = time.perf_counter()
+                drafts, ready = self.process(events, received)
+                if not self.caught_up.is_set() and self._replay_done(consumer):
+                    drafts.extend(self._flush_pending())
+                    self.caught_up.set()
+                    _log.info("cache manager caught up: %s", self.stats.summary())
+                if drafts:
+                    crash_point("cache-manager.before_append")
+                    await self.log.append_many(drafts)
+                    self.stats.num_appended += len(drafts)
+                    crash_point("cache-manager.after_append")
+                    if self.stats.record_latency:
+                        done = time.perf_counter()
+                        self.stats.appended_s.extend(done - r for r in ready)
+                await consumer.commit()
+        finally:
+            await consumer.close()
+            _log.info("cache manager stopped: %s", self.stats.summary())
+
+    async def read_decisions(self) -> dict[str, CacheDecisionMade]:
+        """Every decision already in the log, by event id."""
+        logged: dict[str, CacheDecisionMade] = {}
+        for partition, end in (await self.log.end_offsets(DECISIONS_TOPIC)).items():
+            async for record in self.log.scan(DECISIONS_TOPIC, partition, 0, end):
+                try:
+                    envelope = self.log.decode(record)
+                except Exception:  # a bad record is the consumers' business (DLQ), not ours
+                    continue
+                if isinstance(envelope.body, CacheDecisionMade):
+                    logged[envelope.event_id] = envelope.body
+        return logged
+
+    def process(self, events: Sequence[LoggedEvent], received: float) -> tuple[list[Draft], list[float]]:
+        """Fold events; the drafts to append now and the receive times of their triggers."""
+        drafts: list[Draft] = []
+        ready: list[float] = []
+        stats = self.stats
+        apply = self.manager.apply
+        scale = self.time_scale
+        for event in events:
+            envelope = event.envelope
+            began = time.perf_counter()
+            body = scaled(envelope.body, scale)
+            decided = apply(
+                envelope.event_id, SessionId(envelope.session_id), body, envelope.occurred_at.timestamp() / scale
+            )
+            stats.num_events += 1
+            if not decided:
+                continue
+            if stats.record_latency:
+                now = time.perf_counter()
+                stats.decide_s.append(now - began)
+                stats.ready_s.append(now - received)
+            stats.num_decisions += len(decided)
+            position = event.position
+            tp = (position.topic, position.partition)
+            if position.offset < self._boundary.get(tp, 0):
+                decided = self._replayed(tp, decided)
+            drafts.extend(self._draft(d) for d in decided)
+            ready.extend(received for _ in decided)
+        return drafts, ready
+
+    def _replayed(self, tp: tuple[str, int], decided: list[Decided]) -> list[Decided]:
+        """Sort one replayed event's decisions (see the module docstring); returns those to append now."""
+        logged = self._logged
+        if not any(d.event_id in logged for d in decided):
+            self._pending.setdefault(tp, []).extend(decided)  # appended if no later event is in the log
+            return []
+        stats = self.stats
+        stats.num_diverged += len(self._pending.pop(tp, []))
+        fresh: list[Decided] = []
+        for d in decided:
+            body = logged.get(d.event_id)
+            if body is None:
+                fresh.append(d)  # part of a logged event's decisions (a partial append): recovered
+                stats.num_recovered += 1
+                continue
+            stats.num_replayed += 1
+            if body.action is not d.decision.action or body.ttl_ms != d.to_event("", self.time_scale).ttl_ms:
+                stats.num_adopted += 1
+                self.manager.adopt(logged_as_decided(d, body, self.time_scale))
+        return fresh
+
+    def _flush_pending(self) -> list[Draft]:
+        drafts: list[Draft] = []
+        for tp in sorted(self._pending):
+            for d in self._pending[tp]:
+                drafts.append(self._draft(d))
+                self.stats.num_recovered += 1
+        self._pending.clear()
+        return drafts
+
+    def _replay_done(self, consumer: Any) -> bool:
+        assignment = consumer.assignment()
+        if not assignment:
+            return False
+        return all(consumer.position(t, p) >= self._boundary.get((t, p), 0) for t, p in assignment)
+
+    def _draft(self, d: Decided) -> Draft:
+        return Draft(d.session_id, d.to_event(self.config.engine_id, self.time_scale), d.event_id, d.trigger_id)
+
+
+if __name__ == "__main__":
+    from workers.main import run_worker
+
+    run_worker(CacheManagerWorker)
