@@ -31,7 +31,8 @@ class HttpEngine:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         return self._session
 
-    async def complete(self, *, session_id: str, request_id: str, prompt: Prompt, max_output_tokens: int) -> Completion:
+    def payload(self, *, session_id: str, request_id: str, prompt: Prompt, max_output_tokens: int) -> dict[str, Any]:
+        """The request body (subclasses add engine-specific fields)."""
         payload: dict[str, Any] = {
             "model": self.model,
             "max_tokens": max_output_tokens,
@@ -42,6 +43,23 @@ class HttpEngine:
             payload["prompt"] = prompt.text
         else:
             payload["prompt_runs"] = prompt.to_json()["runs"]
+        return payload
+
+    def timings(self, body: dict[str, Any], total_ms: float) -> tuple[float, float, float, bool]:
+        """``(queue_ms, prefill_ms, decode_ms, replayed)`` from the answer (agentlog's sim engine
+        reports them under ``agentlog``; without them the whole call counts as prefill)."""
+        timing = body.get("agentlog", {})
+        return (
+            float(timing.get("queue_ms", 0.0)),
+            float(timing.get("prefill_ms", total_ms)),
+            float(timing.get("decode_ms", 0.0)),
+            bool(timing.get("replayed", False)),
+        )
+
+    async def complete(self, *, session_id: str, request_id: str, prompt: Prompt, max_output_tokens: int) -> Completion:
+        payload = self.payload(
+            session_id=session_id, request_id=request_id, prompt=prompt, max_output_tokens=max_output_tokens
+        )
         began = time.monotonic()
         try:
             client = await self._client()
@@ -54,8 +72,7 @@ class HttpEngine:
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
             raise EngineUnavailable(f"engine {self.engine_id} unreachable: {e}") from e
         usage = body.get("usage", {})
-        timing = body.get("agentlog", {})
-        total_ms = (time.monotonic() - began) * 1000
+        queue_ms, prefill_ms, decode_ms, replayed = self.timings(body, (time.monotonic() - began) * 1000)
         return Completion(
             request_id=request_id,
             engine_id=self.engine_id,
@@ -64,10 +81,10 @@ class HttpEngine:
             cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
             output_tokens=int(usage.get("completion_tokens", 0)),
             finish_reason=str(body["choices"][0].get("finish_reason") or "stop"),
-            queue_ms=float(timing.get("queue_ms", 0.0)),
-            prefill_ms=float(timing.get("prefill_ms", total_ms)),
-            decode_ms=float(timing.get("decode_ms", 0.0)),
-            replayed=bool(timing.get("replayed", False)),
+            queue_ms=queue_ms,
+            prefill_ms=prefill_ms,
+            decode_ms=decode_ms,
+            replayed=replayed,
         )
 
     async def close(self) -> None:

@@ -1,0 +1,132 @@
+"""A real vLLM server (CPU build, tiny random model) for the integration tests.
+
+``AGENTLOG_VLLM_URL`` and friends (``.ci/run`` starts one server with
+``workers.engines.vllm.server`` and exports them) when set; else one started here for the
+session, when ``scripts/install_vllm.sh`` and ``scripts/make_tiny_model.py`` have run (about
+35 s on 2 cores); else the tests are skipped, or fail when ``AGENTLOG_REQUIRE_VLLM=1`` (CI).
+
+Tests share the server: each uses its own random token prompts (no prefix in common with
+another test) and discards its sessions' blocks when done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from workers.engines.vllm.control import ControlClient
+from workers.engines.vllm.server import VllmServer, VllmServerConfig, default_python, repo_root
+
+TINY_MODEL = repo_root() / ".cache" / "tiny-llama"
+NUM_GPU_BLOCKS = 48
+
+
+@dataclass(frozen=True)
+class Vllm:
+    url: str
+    model: str
+    kv_events: str
+    kv_replay: str
+    control: str
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("AGENTLOG_REQUIRE_VLLM") == "1":
+        pytest.fail(f"AGENTLOG_REQUIRE_VLLM=1 but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def vllm() -> Iterator[Vllm]:
+    if url := os.environ.get("AGENTLOG_VLLM_URL"):
+        yield Vllm(
+            url,
+            os.environ.get("AGENTLOG_VLLM_MODEL", "tiny"),
+            os.environ["AGENTLOG_VLLM_KV_EVENTS"],
+            os.environ["AGENTLOG_VLLM_KV_REPLAY"],
+            os.environ["AGENTLOG_VLLM_CONTROL"],
+        )
+        return
+    if not Path(default_python()).exists():
+        _unavailable("no vLLM virtualenv: run scripts/install_vllm.sh")
+    if not (TINY_MODEL / "model.safetensors").exists():
+        _unavailable(f"no tiny model: run {default_python()} scripts/make_tiny_model.py")
+    run_dir = Path(tempfile.mkdtemp(prefix="agentlog-vllm-"))
+    config = VllmServerConfig(model=str(TINY_MODEL), run_dir=run_dir, num_gpu_blocks=NUM_GPU_BLOCKS)
+    with VllmServer(config).start() as server:
+        cfg = server.config
+        yield Vllm(cfg.url, cfg.served_model_name, cfg.kv_events, cfg.kv_replay, cfg.control)
+
+
+class VllmClient:
+    """Completions with token prompts, and the scheduler's control channel."""
+
+    def __init__(self, vllm: Vllm, http: aiohttp.ClientSession, control: ControlClient) -> None:
+        self.vllm = vllm
+        self.http = http
+        self.control = control
+        self.rng = random.Random()
+        self.sessions: set[str] = set()
+        self.block_size = 0
+        self.num_gpu_blocks = 0
+
+    def tokens(self, n: int) -> list[int]:
+        """Random token ids: a prefix no other prompt shares."""
+        return [self.rng.randrange(3, 4000) for _ in range(n)]
+
+    async def complete(
+        self, prompt: list[int] | str, session: str, max_tokens: int = 4, ignore_eos: bool = False, **xargs: Any
+    ) -> Any:
+        self.sessions.add(session)
+        body: dict[str, Any] = {
+            "model": self.vllm.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "session_id": session,
+            "ignore_eos": ignore_eos,
+        }
+        if xargs:
+            body["vllm_xargs"] = xargs
+        async with self.http.post(f"{self.vllm.url}/v1/completions", json=body) as response:
+            answer = await response.json()
+            assert response.status == 200, answer
+            return answer
+
+    async def cached(self, prompt: list[int], session: str, **xargs: Any) -> int:
+        answer = await self.complete(prompt, session, **xargs)
+        return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    async def status(self) -> dict[str, Any]:
+        return await self.control.call("status")
+
+    async def churn(self, rounds: float = 2.0) -> None:
+        """Other sessions' calls that cycle the whole KV pool ``rounds`` times (LRU evicts all unpinned)."""
+        length = (self.num_gpu_blocks // 2) * self.block_size
+        for i in range(int(rounds * self.num_gpu_blocks * self.block_size / length) + 1):
+            await self.complete(self.tokens(length), f"churn-{self.rng.getrandbits(32):x}-{i}")
+
+
+@contextlib.asynccontextmanager
+async def vllm_client(vllm: Vllm) -> AsyncIterator[VllmClient]:
+    """A client for one test; discards the blocks of every session it used when done."""
+    control = ControlClient(vllm.control)
+    async with aiohttp.ClientSession() as http:
+        c = VllmClient(vllm, http, control)
+        hello = await control.call("hello")
+        c.block_size, c.num_gpu_blocks = int(hello["block_size"]), int(hello["num_gpu_blocks"])
+        try:
+            yield c
+        finally:
+            for session in c.sessions:
+                await control.call("discard", session=session)
+            await control.aclose()

@@ -1,0 +1,149 @@
+"""AgentlogScheduler inside a real vLLM server: pins keep a session's prefix through a tool gap.
+
+The server has a small KV pool (48 blocks of 32 tokens); ``churn`` runs other sessions' calls
+that cycle the pool twice, which is what a session's tool gap looks like to vLLM's LRU.
+"Full blocks of its context" is ``(len(prompt) // block_size) * block_size``: vLLM caches full
+blocks only (the prompts here leave room for the 4 output tokens in the last, partial block).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from tests.integration.vllm.conftest import Vllm, VllmClient, vllm_client
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def run(vllm: Vllm, scenario: Callable[[VllmClient], Awaitable[None]]) -> None:
+    async def main() -> None:
+        async with vllm_client(vllm) as client:
+            await scenario(client)
+
+    asyncio.run(main())
+
+
+def context_len(client: VllmClient, num_blocks: int) -> int:
+    """A prompt length with ``num_blocks`` full blocks and room for 4 output tokens in the next."""
+    return num_blocks * client.block_size + client.block_size // 4
+
+
+def test_without_a_pin_the_next_turn_after_a_gap_recomputes_everything(vllm: Vllm) -> None:
+    async def scenario(c: VllmClient) -> None:
+        context = c.tokens(context_len(c, 18))
+        assert await c.cached(context, "a") == 0
+        assert await c.cached(context + c.tokens(8), "a") == 18 * c.block_size, "no gap: the prefix is reused"
+        await c.churn()
+        assert await c.cached(context + c.tokens(16), "a") == 0, "after the gap vLLM's LRU evicted the session"
+
+    run(vllm, scenario)
+
+
+def test_a_preserve_decision_keeps_the_full_blocks_of_the_context(vllm: Vllm) -> None:
+    async def scenario(c: VllmClient) -> None:
+        context = c.tokens(context_len(c, 18))
+        await c.complete(context, "a")
+        pinned = await c.control.call("pin", session="a", ttl_s=60, score=1.0)  # the decision, after the call
+        assert pinned["num_blocks"] == 18
+        await c.churn()
+        assert (await c.status())["pins"]["a"]["num_blocks"] == 18
+        assert await c.cached(context + c.tokens(16), "a") == 18 * c.block_size
+        assert "a" not in (await c.status())["pins"], "the session's next call ends its pin"
+
+    run(vllm, scenario)
+
+
+def test_a_hold_requested_with_the_call_keeps_the_prefix(vllm: Vllm) -> None:
+    async def scenario(c: VllmClient) -> None:
+        context = c.tokens(context_len(c, 12))
+        await c.complete(context, "a", agentlog_hold_s=60)
+        assert (await c.status())["pins"]["a"]["num_blocks"] == 12
+        await c.churn()
+        assert await c.cached(context + c.tokens(16), "a") == 12 * c.block_size
+
+    run(vllm, scenario)
+
+
+def test_after_a_discard_the_prefix_is_gone_at_once(vllm: Vllm) -> None:
+    async def scenario(c: VllmClient) -> None:
+        context = c.tokens(context_len(c, 10))
+        await c.complete(context, "a", agentlog_hold_s=60)
+        discarded = await c.control.call("discard", session="a")
+        assert discarded["num_blocks"] == 10
+        assert "a" not in (await c.status())["pins"]
+        # No churn needed: the blocks were evicted, not just unpinned.
+        assert await c.cached(context + c.tokens(16), "a") == 0
+
+    run(vllm, scenario)
+
+
+def test_a_release_unpins_but_the_blocks_stay_reusable_until_evicted(vllm: Vllm) -> None:
+    async def scenario(c: VllmClient) -> None:
+        context = c.tokens(context_len(c, 10))
+        await c.complete(context, "a", agentlog_hold_s=60)
+        assert (await c.control.call("release", session="a"))["num_blocks"] == 10
+        assert await c.cached(context + c.tokens(8), "a") == 10 * c.block_size  # still cached (LRU)
+        await c.churn()
+        assert await c.cached(context + c.tokens(16), "a") == 0
+
+    run(vllm, scenario)
+
+
+def test_after_the_ttl_the_pin_ends_and_the_prefix_is_evicted(vllm: Vllm) -> None:
+    async def scenario(c: VllmClient) -> None:
+        context = c.tokens(context_len(c, 10))
+        await c.complete(context, "a")
+        assert (await c.control.call("pin", session="a", ttl_s=0.3, score=1.0))["num_blocks"] == 10
+        for _ in range(200):  # the scheduler expires pins on its own clock, even while vLLM is idle
+            if "a" not in (await c.status())["pins"]:
+                break
+            await asyncio.sleep(0.05)
+        assert "a" not in (await c.status())["pins"]
+        await c.churn()
+        assert await c.cached(context + c.tokens(16), "a") == 0
+
+    run(vllm, scenario)
+
+
+def test_a_pin_decided_during_the_call_is_taken_when_it_ends(vllm: Vllm) -> None:
+    async def scenario(c: VllmClient) -> None:
+        context = c.tokens(context_len(c, 8))
+        output = 200  # long enough (~0.5 s) for the decision to arrive while the call runs
+        call = asyncio.create_task(c.complete(context, "a", max_tokens=output, ignore_eos=True))
+        await asyncio.sleep(0.05)
+        answer = await c.control.call("pin", session="a", ttl_s=60, score=1.0)
+        await call
+        assert answer.get("pending") is True, answer
+        # The pin holds every full block of the context the call ended with (its output too).
+        assert (await c.status())["pins"]["a"]["num_blocks"] == (len(context) + output) // c.block_size
+        await c.churn()
+        assert await c.cached(context + c.tokens(16), "a") == 8 * c.block_size
+
+    run(vllm, scenario)
+
+
+def test_pins_are_released_under_pressure_in_ranked_order(vllm: Vllm) -> None:
+    async def scenario(c: VllmClient) -> None:
+        usable = c.num_gpu_blocks - 1  # vLLM keeps one null block
+        per_pin = usable // 5
+        scores = {"p-high": 3.0, "p-low": 1.0, "p-mid": 2.0}
+        contexts = {}
+        for session, score in scores.items():
+            contexts[session] = c.tokens(context_len(c, per_pin))
+            await c.complete(contexts[session], session, agentlog_hold_s=60, agentlog_score=score)
+        status = await c.status()
+        assert {s: status["pins"][s]["num_blocks"] for s in scores} == dict.fromkeys(scores, per_pin)
+        before = len(status["pressure_releases"])
+        free = status["num_free_blocks"]
+        # A call that needs more than the free blocks plus one pin: two pins must go, lowest scores first.
+        need = free + per_pin + 1
+        await c.complete(c.tokens(need * c.block_size - 1), "big")
+        status = await c.status()
+        assert status["pressure_releases"][before:] == ["p-low", "p-mid"]
+        assert list(status["pins"]) == ["p-high"]
+        assert await c.cached(contexts["p-high"] + c.tokens(8), "p-high") == per_pin * c.block_size
+
+    run(vllm, scenario)
