@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from cli import agents, audit
+from cli import agents, audit, branches
 from cli.common import Json, LogUrl, init_log
 from cli.render import event_line, event_to_json
 from cli.traces import app as trace_app
@@ -26,6 +26,7 @@ from log.topics import DEFAULT_PARTITIONS
 app = typer.Typer(help="Operate agentlog: the event-sourced control plane for LLM agents.", no_args_is_help=True)
 logging.basicConfig(level=logging.WARNING, format="logctl: %(levelname)s: %(message)s")
 agents.register(app)
+branches.register(app)
 app.command()(audit.verify)
 app.command()(audit.audit)
 app.add_typer(trace_app, name="trace", help="Import, generate and describe agent traces (docs/trace-format.md).")

@@ -14,8 +14,8 @@ from datetime import datetime
 from log import LoggedEvent, SharedLog
 from schemas import events as ev
 from services.planning import prompt_digest, recorded_results
-from services.programs import PROGRAMS, CallLLM, CallTool, Finish, ProgramView
-from services.session import LLMCall, SessionState, SessionStatus
+from services.programs import PROGRAMS, CallLLM, CallTool, Finish, Fork, ProgramView, TakeCheckpoint
+from services.session import LLMCall, PlannerStep, SessionState, SessionStatus
 
 SESSION_TOPICS = ["agent.actions", "agent.verdicts", "agent.effects", "ops.commands"]
 
@@ -132,8 +132,14 @@ def replay_check(state: SessionState) -> list[str]:
     problems: list[str] = []
     results, _pending = recorded_results(state)
     for step, recorded in enumerate(state.steps):
-        action = program.next_action(ProgramView(state.session_id, state.args, tuple(results[:step])))
-        if isinstance(recorded, LLMCall):
+        action = program.next_action(ProgramView(state.session_id, state.args, tuple(results[:step]), state.context_id))
+        if isinstance(recorded, PlannerStep):
+            wanted = TakeCheckpoint if recorded.kind == "checkpoint" else Fork
+            if not isinstance(action, wanted):
+                problems.append(
+                    f"step {step}: log has {recorded.kind} step {recorded.call_id}, program now returns {action!r}"
+                )
+        elif isinstance(recorded, LLMCall):
             if not isinstance(action, CallLLM):
                 problems.append(f"step {step}: log has LLM call {recorded.call_id}, program now returns {action!r}")
             elif prompt_digest(action.prompt) != recorded.started.prompt_digest:
@@ -146,7 +152,7 @@ def replay_check(state: SessionState) -> list[str]:
         if step >= len(results):
             break
     if state.status is SessionStatus.FINISHED and len(results) == len(state.steps):
-        final = program.next_action(ProgramView(state.session_id, state.args, tuple(results)))
+        final = program.next_action(ProgramView(state.session_id, state.args, tuple(results), state.context_id))
         if not isinstance(final, Finish) or json.dumps(final.output, sort_keys=True) != state.output_json:
             problems.append(f"the program now ends with {final!r}, the log with {state.output_json}")
     return problems

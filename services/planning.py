@@ -14,6 +14,13 @@ is the residual work:
 - if the program now asks for something else than what the log holds for
   that step, the program is not deterministic and the session fails with
   ``NonDeterminism`` rather than guessing.
+
+Branches (docs/branches.md, rules in ``services/checkpoint.py``): operator
+commands (checkpoint, restore, merge) come before the program's next step and
+wait for a step boundary (no tool call in flight); a fork waits for its
+parent's history (``NeedBase``); a program's ``TakeCheckpoint`` and ``Fork``
+are steps the planner carries out itself; with ``checkpoint_every`` the planner
+takes a checkpoint at the first step boundary after that many events.
 """
 
 from __future__ import annotations
@@ -23,12 +30,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from schemas import events as ev
 from schemas.events import EffectClass
+from services.checkpoint import Compensation, RestorePlan, in_flight, restore_plan
 from services.programs.base import (
     CallLLM,
     CallTool,
     Fail,
     Finish,
+    Fork,
     LLMResult,
     Program,
     ProgramView,
@@ -36,7 +46,22 @@ from services.programs.base import (
     Result,
     ToolResult,
 )
-from services.session import LLMCall, SessionState, SessionStatus, ToolCall, ToolStatus, llm_call_id, tool_call_id
+from services.programs.base import TakeCheckpoint as TakeCheckpointAction
+from services.session import (
+    LLMCall,
+    PlannerStep,
+    SessionState,
+    SessionStatus,
+    Step,
+    ToolCall,
+    ToolStatus,
+    branch_session_id,
+    checkpoint_step_id,
+    fork_step_id,
+    llm_call_id,
+    step_of,
+    tool_call_id,
+)
 from services.tools import TOOLS, idempotency_key
 
 
@@ -95,7 +120,77 @@ class Idle:
     reason: str
 
 
-Move = StartSession | CallEngine | ProposeTool | WaitFor | FinishSession | FailSession | Idle
+@dataclass(frozen=True)
+class NeedBase:
+    """A fork whose parent history (up to its checkpoint) has not been added to its state yet."""
+
+    parent_session_id: str
+    checkpoint_id: str
+
+
+@dataclass(frozen=True)
+class TakeCheckpoint:
+    """Take a checkpoint now (the session is at a step boundary)."""
+
+    checkpoint_id: str
+    cause: str | None
+    """The operator's request it answers, or None (automatic, or a program's step)."""
+
+
+@dataclass(frozen=True)
+class ProposeCompensations:
+    """A pending restore first undoes compensatable calls through the normal tool path."""
+
+    cause: str
+    compensations: tuple[Compensation, ...]
+
+
+@dataclass(frozen=True)
+class ApplyRestore:
+    cause: str
+    plan: RestorePlan
+
+
+@dataclass(frozen=True)
+class RefuseRestore:
+    cause: str
+    plan: RestorePlan
+
+
+@dataclass(frozen=True)
+class MergeBranches:
+    """Fold branches into this session (an operator's merge, or the end of a program's fork step)."""
+
+    cause: str | None
+    branch_session_ids: tuple[str, ...]
+    fork_call_id: str | None = None
+
+
+@dataclass(frozen=True)
+class StartBranches:
+    """A program's fork step: create each branch (idempotent), then merge them when they are done."""
+
+    call_id: str
+    branches: tuple[tuple[str, str], ...]
+    """(branch session id, its arguments as JSON)."""
+
+
+Move = (
+    StartSession
+    | CallEngine
+    | ProposeTool
+    | WaitFor
+    | FinishSession
+    | FailSession
+    | Idle
+    | NeedBase
+    | TakeCheckpoint
+    | ProposeCompensations
+    | ApplyRestore
+    | RefuseRestore
+    | MergeBranches
+    | StartBranches
+)
 
 
 def request_id(session_id: str, call_id: str) -> str:
@@ -107,12 +202,11 @@ def prompt_digest(prompt: Prompt) -> str:
     return hashlib.sha256(json.dumps(prompt.to_json(), sort_keys=True).encode()).hexdigest()
 
 
-def recorded_results(state: SessionState) -> tuple[list[Result], LLMCall | ToolCall | None]:
+def recorded_results(state: SessionState) -> tuple[list[Result], Step | None]:
     """The results of the session's finished steps, in order, and the first unfinished step."""
     results: list[Result] = []
     for index, step in enumerate(state.steps):
-        expected = llm_call_id(index) if isinstance(step, LLMCall) else tool_call_id(index)
-        if step.call_id != expected:
+        if step_of(step.call_id) != index:
             return results, step  # a hole in the steps: treat the first odd one as pending
         if isinstance(step, LLMCall):
             if step.completed is None:
@@ -120,17 +214,28 @@ def recorded_results(state: SessionState) -> tuple[list[Result], LLMCall | ToolC
             results.append(
                 LLMResult(
                     step.call_id,
-                    request_id(state.session_id, step.call_id),
+                    request_id(step.origin or state.session_id, step.call_id),
                     step.completed.output_text,
                     step.completed.prompt_tokens,
                     step.completed.output_tokens,
                 )
+            )
+        elif isinstance(step, PlannerStep):
+            if not step.done:
+                return results, step
+            tool = "checkpoint" if step.kind == "checkpoint" else "merge"
+            results.append(
+                ToolResult(step.call_id, tool, step.error is None, step.result, PLANNER_RESULT_TOKENS, step.error)
             )
         else:
             if not step.done:
                 return results, step
             results.append(_tool_result(step))
     return results, None
+
+
+PLANNER_RESULT_TOKENS = 16
+"""Tokens a checkpoint or merge result adds to the context."""
 
 
 def _tool_result(step: ToolCall) -> ToolResult:
@@ -146,32 +251,46 @@ def _tool_result(step: ToolCall) -> ToolResult:
     return ToolResult(step.call_id, tool, False, None, 0, error)
 
 
-def next_move(state: SessionState, program: Program | None) -> Move:
+def next_move(state: SessionState, program: Program | None, *, checkpoint_every: int = 0) -> Move:
     """The planner's next move for one session (see the module docstring)."""
     if state.status is None:
         return Idle("no such session")
-    if state.finished:
-        return Idle(f"session {state.status.value}")
     if state.status is SessionStatus.REQUESTED:
         if program is None:
             return FailSession(f"unknown program {state.program!r}", "UnknownProgram")
         return StartSession(state.program, json.dumps(state.args, sort_keys=True))
+    if state.parent_session_id is not None and not state.inherited:
+        if state.fork is None:
+            return Idle("waiting for the fork's lineage record")
+        return NeedBase(state.fork.parent_session_id, state.fork.checkpoint_id)
+    if command := _command_move(state):
+        return command
+    if state.finished:
+        return Idle(f"session {state.status.value}")
     if program is None:
         return FailSession(f"unknown program {state.program!r}", "UnknownProgram")
     if state.cancel_requested:
         return FailSession("cancelled by an operator", "Cancelled")
     results, pending = recorded_results(state)
-    view = ProgramView(state.session_id, state.args, tuple(results))
+    if pending is None and checkpoint_every > 0 and not in_flight(state):
+        last = next((c for c in reversed(state.checkpoints.values()) if not c.abandoned), None)
+        if state.num_events - (last.taken.num_events if last else 0) >= checkpoint_every:
+            checkpoint_id = f"auto-g{state.generation}-s{state.step_bound}"
+            if checkpoint_id not in state.checkpoints:
+                return TakeCheckpoint(checkpoint_id, None)
+    merged = tuple(json.loads(m.results_json) for m in state.merges if not _own_fork_merge(state, m))
+    view = ProgramView(state.session_id, state.args, tuple(results), state.context_id, merged)
     try:
         action: Any = program.next_action(view)
     except Exception as e:  # a program bug must fail its session, not the planner
         return FailSession(f"program {program.name} raised {type(e).__name__}: {e}", "ProgramError")
     step = len(results)
+    generation = state.generation
     if pending is not None:
         return _resume(state, pending, action, step)
     match action:
         case CallLLM():
-            call_id = llm_call_id(step)
+            call_id = llm_call_id(step, generation)
             return CallEngine(
                 call_id,
                 request_id(state.session_id, call_id),
@@ -182,7 +301,7 @@ def next_move(state: SessionState, program: Program | None) -> Move:
                 resume=False,
             )
         case CallTool():
-            call_id = tool_call_id(step)
+            call_id = tool_call_id(step, generation)
             spec = TOOLS.get(action.tool)
             return ProposeTool(
                 call_id,
@@ -194,6 +313,13 @@ def next_move(state: SessionState, program: Program | None) -> Move:
                 spec.compensation if spec else None,
                 action.resource,
             )
+        case TakeCheckpointAction():
+            return TakeCheckpoint(checkpoint_step_id(step, generation), None)
+        case Fork():
+            if not action.branches:
+                return FailSession(f"step {step}: a fork needs at least one branch", "InvalidAction")
+            # The step begins with the checkpoint its branches fork at.
+            return TakeCheckpoint(fork_step_id(step, generation), None)
         case Finish():
             return FinishSession(json.dumps(action.output, sort_keys=True), len(state.llm_calls), len(state.tool_calls))
         case Fail():
@@ -202,7 +328,49 @@ def next_move(state: SessionState, program: Program | None) -> Move:
             return FailSession(f"program {program.name} returned {action!r}, which is not an action", "InvalidAction")
 
 
-def _resume(state: SessionState, pending: LLMCall | ToolCall, action: Any, step: int) -> Move:
+def _own_fork_merge(state: SessionState, merge: ev.MergeApplied) -> bool:
+    return all(b.startswith(f"{state.session_id}.") and ".fork-" in b for b in merge.branch_session_ids)
+
+
+def _command_move(state: SessionState) -> Move | None:
+    """The first pending operator command, if the session is at a point where it can be carried out."""
+    pending = state.pending_commands
+    if not pending:
+        return None
+    command = pending[0]
+    body = command.body
+    busy = [t for t in in_flight(state) if not t.call_id.startswith("undo.")]
+    if isinstance(body, ev.RestoreRequested):
+        plan = restore_plan(state, body.checkpoint_id)
+        if plan.refused is not None:
+            return RefuseRestore(command.event_id, plan)
+        if busy:
+            return WaitFor(busy[0].call_id, f"{busy[0].status.value} (a restore waits for a step boundary)")
+        if plan.to_propose:
+            return ProposeCompensations(command.event_id, plan.to_propose)
+        if plan.waiting_for:
+            return WaitFor(plan.waiting_for[0], "compensation before a restore")
+        return ApplyRestore(command.event_id, plan)
+    if busy:
+        return WaitFor(busy[0].call_id, f"{busy[0].status.value} (a {type(body).__name__} waits for a step boundary)")
+    if isinstance(body, ev.CheckpointRequested):
+        return TakeCheckpoint(body.checkpoint_id, command.event_id)
+    return MergeBranches(command.event_id, tuple(body.branch_session_ids))
+
+
+def _resume(state: SessionState, pending: Step, action: Any, step: int) -> Move:
+    if isinstance(pending, PlannerStep):
+        if pending.kind != "fork" or not isinstance(action, Fork):
+            return FailSession(
+                f"step {step}: the log holds {pending.kind} step {pending.call_id} but the program now asks for "
+                f"{action!r}",
+                "NonDeterminism",
+            )
+        branches = tuple(
+            (branch_session_id(state.session_id, pending.call_id, i), json.dumps(args, sort_keys=True))
+            for i, args in enumerate(action.branches)
+        )
+        return StartBranches(pending.call_id, branches)
     if isinstance(pending, LLMCall):
         if not isinstance(action, CallLLM) or prompt_digest(action.prompt) != pending.started.prompt_digest:
             return FailSession(

@@ -10,35 +10,72 @@ roles' work: the planner waits for them in the log.
 Each session is driven by at most one task at a time; an event that arrives
 while it runs makes it look again when it is done.
 
+The planner also carries out checkpoint, fork, restore and merge
+(docs/branches.md; the rules are ``services/checkpoint.py``): it takes
+checkpoints (``CheckpointTaken`` plus a snapshot of the folded state in
+Postgres when it has a snapshot store), creates forks (``SessionStarted`` with
+the parent and ``ForkCreated`` on the new session), adds a fork's parent
+history to its state by reading the parent's log up to the cut (or its
+snapshot), proposes a restore's compensations and appends ``RestoreApplied`` /
+``RestoreRefused``, and reads branches to append ``MergeApplied`` /
+``MergeConflict``. Every one of these appends has a deterministic event id, so
+after a crash the same move is made again and lands once.
+
 Crash points (workers/crash.py): ``planner.after_llm_started`` (the engine was
 not asked yet), ``planner.after_engine`` (the engine answered, the output is
-not logged yet), ``planner.after_llm_completed``, ``planner.after_proposed``.
+not logged yet), ``planner.after_llm_completed``, ``planner.after_proposed``,
+``planner.after_checkpoint``, ``planner.after_compensations`` (proposed, the
+restore not applied yet), ``planner.before_restore``, ``planner.before_merge``
+(branches read, the merge not appended yet), ``planner.after_branches``.
 
-Run: ``python -m workers.planner [--log-url URL] --engine-url http://127.0.0.1:8100``.
+Run: ``python -m workers.planner [--log-url URL] --engine-url http://127.0.0.1:8100
+[--checkpoint-every N] [--snapshot-url postgresql://...]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 from typing import Any
 
 from log import LoggedEvent, SharedLog
+from log.snapshots import Snapshot, SnapshotStore, tails_below
 from schemas import events as ev
+from services.checkpoint import (
+    CutEvent,
+    after_cut,
+    before_cut,
+    cut_of,
+    effects_of,
+    fold_events,
+    merge_plan,
+    state_digest,
+    state_from_json,
+    state_to_json,
+)
 from services.planning import (
+    ApplyRestore,
     CallEngine,
     FailSession,
     FinishSession,
     Idle,
+    MergeBranches,
+    NeedBase,
+    ProposeCompensations,
     ProposeTool,
+    RefuseRestore,
+    StartBranches,
     StartSession,
+    TakeCheckpoint,
     WaitFor,
     next_move,
 )
 from services.programs import PROGRAMS, Program
 from services.session import SessionState
+from services.tools import TOOLS, idempotency_key
 from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable, HttpEngine
 from workers.runtime import SessionWorker
@@ -61,13 +98,19 @@ class PlannerWorker(SessionWorker):
         engine: Engine,
         programs: dict[str, Program] | None = None,
         engine_patience_s: float = 120.0,
+        checkpoint_every: int = 0,
+        snapshots: SnapshotStore | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(log, **kwargs)
         self.engine = engine
         self.programs = programs if programs is not None else PROGRAMS
         self.engine_patience_s = engine_patience_s
+        self.checkpoint_every = checkpoint_every
+        self.snapshots = snapshots
         self._driving: dict[str, bool] = {}  # session -> "look again when done"
+        self._waiting_on: dict[str, set[str]] = {}  # branch -> sessions whose merge waits for it
+        self._forked: set[str] = set()  # fork requests carried out by this process
         self.num_engine_calls = 0
 
     @staticmethod
@@ -76,20 +119,47 @@ class PlannerWorker(SessionWorker):
             "--engine-url", default=os.environ.get("AGENTLOG_ENGINE_URL", "http://127.0.0.1:8100"), help="engine API"
         )
         parser.add_argument("--engine-id", default="sim-0")
+        parser.add_argument(
+            "--checkpoint-every",
+            type=int,
+            default=int(os.environ.get("AGENTLOG_CHECKPOINT_EVERY", "0")),
+            help="take a checkpoint at the first step boundary after this many events (0: only on request)",
+        )
+        parser.add_argument(
+            "--snapshot-url",
+            default=None,
+            help="Postgres for snapshots of checkpoints (default: AGENTLOG_SNAPSHOT_URL, AGENTLOG_LEDGER_URL, "
+            "AGENTLOG_PG_URL, or the log itself when it is Postgres; none: checkpoints without snapshots)",
+        )
 
     @classmethod
     async def create(cls, log: SharedLog, args: argparse.Namespace) -> PlannerWorker:
         engine = HttpEngine(args.engine_url, engine_id=args.engine_id)
-        return cls(log, group=args.group, instance_id=args.instance_id, engine=engine)
+        snapshots = None
+        if url := snapshot_url(args.snapshot_url, args.log_url):
+            snapshots = await SnapshotStore(url, log_namespace(log)).start()
+        return cls(
+            log,
+            group=args.group,
+            instance_id=args.instance_id,
+            engine=engine,
+            checkpoint_every=args.checkpoint_every,
+            snapshots=snapshots,
+        )
 
     async def close(self) -> None:
         await self.engine.close()
+        if self.snapshots is not None:
+            await self.snapshots.close()
 
     async def resume(self, state: SessionState) -> None:
         self.kick(state.session_id)
 
     async def on_event(self, state: SessionState, event: LoggedEvent) -> None:
         self.kick(state.session_id)
+        if isinstance(event.body, _BRANCH_NEWS):
+            for parent in self._waiting_on.get(state.session_id, set()):
+                self.kick(parent)  # a merge waiting on this branch may go on now
 
     async def reconcile(self, state: SessionState) -> None:
         self.kick(state.session_id)  # a no-op when it is being driven; cheap when it only waits
@@ -122,12 +192,61 @@ class PlannerWorker(SessionWorker):
 
     async def _step(self, state: SessionState) -> bool:
         """Carry out one move; True when there may be another one right away."""
+        await self._fork_requests(state)
         program = self.programs.get(state.program)
-        move = next_move(state, program)
+        move = next_move(state, program, checkpoint_every=self.checkpoint_every)
         sid = state.session_id
         match move:
             case Idle() | WaitFor():
                 return False
+            case NeedBase():
+                await self._inherit(state)
+            case TakeCheckpoint():
+                await self._checkpoint(state, move)
+            case ProposeCompensations():
+                for comp in move.compensations:
+                    spec = TOOLS.get(comp.tool)
+                    await self.append(
+                        sid,
+                        ev.ToolCallProposed(
+                            call_id=comp.call_id,
+                            tool=comp.tool,
+                            arguments_json=comp.arguments_json,
+                            effect_class=spec.effect_class if spec else ev.EffectClass.IRREVERSIBLE,
+                            idempotency_key=idempotency_key(sid, comp.call_id),
+                        ),
+                        kind="proposed",
+                        key=comp.call_id,
+                        cause=move.cause,
+                    )
+                crash_point("planner.after_compensations")
+            case ApplyRestore():
+                crash_point("planner.before_restore")
+                checkpoint = state.checkpoints[move.plan.checkpoint_id]
+                history = await self.log.history(sid)
+                num_abandoned = len(after_cut(_cut_events(history), checkpoint.taken.cut))
+                body = ev.RestoreApplied(
+                    checkpoint_id=move.plan.checkpoint_id,
+                    num_abandoned=num_abandoned,
+                    compensated_call_ids=list(move.plan.compensated),
+                )
+                await self.append(sid, body, kind="restore", key=move.cause, cause=move.cause)
+                _log.info("session %s restored to %s", sid, move.plan.checkpoint_id)
+            case RefuseRestore():
+                refusal = ev.RestoreRefused(
+                    checkpoint_id=move.plan.checkpoint_id,
+                    blocking_call_ids=list(move.plan.blocking),
+                    reason=move.plan.refused or "refused",
+                )
+                await self.append(sid, refusal, kind="restore", key=move.cause, cause=move.cause)
+            case MergeBranches():
+                return await self._merge(state, move.branch_session_ids, cause=move.cause, key=move.cause or "")
+            case StartBranches():
+                checkpoint = state.checkpoints[move.call_id]
+                for branch_id, args_json in move.branches:
+                    await self._create_fork(state, branch_id, move.call_id, checkpoint.taken.cut, args_json)
+                crash_point("planner.after_branches")
+                return await self._merge(state, tuple(b for b, _ in move.branches), cause=None, key=move.call_id)
             case StartSession():
                 await self.append(sid, ev.SessionStarted(program=move.program, args_json=move.args_json), kind="start")
             case CallEngine():
@@ -157,10 +276,128 @@ class PlannerWorker(SessionWorker):
                         num_tool_calls=move.num_tool_calls,
                     ),
                     kind="end",
+                    key=_end_key(state),
                 )
             case FailSession():
                 _log.warning("session %s fails: %s (%s)", sid, move.reason, move.error_type)
-                await self.append(sid, ev.SessionFailed(reason=move.reason, error_type=move.error_type), kind="end")
+                await self.append(
+                    sid,
+                    ev.SessionFailed(reason=move.reason, error_type=move.error_type),
+                    kind="end",
+                    key=_end_key(state),
+                )
+        return True
+
+    # ------------------------------------------------- checkpoint, fork, merge
+
+    async def _checkpoint(self, state: SessionState, move: TakeCheckpoint) -> None:
+        """Cut the session's log here, fold it, store a snapshot, append CheckpointTaken."""
+        sid = state.session_id
+        partition = self.log.partition_for(sid)
+        ends = {t: (await self.log.end_offsets(t)).get(partition, 0) for t in CUT_TOPICS}
+        history = await self.log.history(sid, CUT_TOPICS)
+        events = _cut_events(history)
+        cut = cut_of(events, ends)
+        at_cut = fold_events(sid, events)
+        if at_cut.fork is not None:
+            fork = at_cut.fork
+            at_cut.inherit(await self.session_at(fork.parent_session_id, fork.checkpoint_id, fork.cut))
+        digest = state_digest(at_cut)
+        if self.snapshots is not None:
+            await self.snapshots.save(
+                Snapshot(
+                    sid,
+                    move.checkpoint_id,
+                    cut,
+                    tails_below(history, cut),
+                    state_to_json(at_cut),
+                    digest,
+                    at_cut.num_events,
+                )
+            )
+        body = ev.CheckpointTaken(
+            checkpoint_id=move.checkpoint_id,
+            cut=cut,
+            state_digest=digest,
+            effects=effects_of(at_cut),
+            num_events=at_cut.num_events,
+        )
+        await self.append(sid, body, kind="checkpoint", key=move.checkpoint_id, cause=move.cause)
+        crash_point("planner.after_checkpoint")
+
+    async def session_at(self, session_id: str, checkpoint_id: str, cut: dict[str, int]) -> SessionState:
+        """A session folded up to one of its checkpoints: from its snapshot when there is one, else
+        from its log; a fork's own parent history is added the same way (recursively)."""
+        if self.snapshots is not None:
+            snapshot = await self.snapshots.get(session_id, checkpoint_id)
+            if snapshot is not None and snapshot.cut == cut:
+                return state_from_json(snapshot.state)
+        state = fold_events(session_id, before_cut(_cut_events(await self.log.history(session_id)), cut))
+        if state.fork is not None and not state.inherited:
+            state.inherit(await self.session_at(state.fork.parent_session_id, state.fork.checkpoint_id, state.fork.cut))
+        return state
+
+    async def _inherit(self, state: SessionState) -> None:
+        assert state.fork is not None
+        base = await self.session_at(state.fork.parent_session_id, state.fork.checkpoint_id, state.fork.cut)
+        state.inherit(base)
+        _log.info(
+            "fork %s inherits %d steps of %s up to %s",
+            state.session_id,
+            base.num_steps,
+            state.fork.parent_session_id,
+            state.fork.checkpoint_id,
+        )
+
+    async def _fork_requests(self, state: SessionState) -> None:
+        """Carry out operators' fork requests whose checkpoint this planner has seen (idempotent)."""
+        for request_id, request in state.fork_requests:
+            if request_id in self._forked:
+                continue
+            checkpoint = state.checkpoints.get(request.checkpoint_id)
+            if checkpoint is None:
+                continue  # the checkpoint may still be on its way (another topic); looked at again later
+            args_json = json.dumps(state.args, sort_keys=True)
+            await self._create_fork(
+                state, request.fork_session_id, request.checkpoint_id, checkpoint.taken.cut, args_json
+            )
+            self._forked.add(request_id)
+
+    async def _create_fork(
+        self, parent: SessionState, fork_id: str, checkpoint_id: str, cut: dict[str, int], args_json: str
+    ) -> None:
+        # SessionStarted first: the fork exists; it waits for ForkCreated (its lineage) before any step.
+        started = ev.SessionStarted(program=parent.program, args_json=args_json, parent_session_id=parent.session_id)
+        await self.append(fork_id, started, kind="start")
+        created = ev.ForkCreated(parent_session_id=parent.session_id, checkpoint_id=checkpoint_id, cut=cut)
+        await self.append(fork_id, created, kind="fork")
+        if self.log.partition_for(fork_id) in self._ready:
+            self.kick(fork_id)  # our own appends are not read back as news: start it ourselves
+        else:
+            self.sessions.pop(fork_id, None)  # another planner's session: it reads it from the log
+
+    async def _merge(self, state: SessionState, branch_ids: tuple[str, ...], *, cause: str | None, key: str) -> bool:
+        sid = state.session_id
+        branches = {b: fold_events(b, _cut_events(await self.log.history(b))) for b in branch_ids}
+        plan = merge_plan(branches)
+        if not plan.conflicted and plan.waiting_for:
+            for branch in plan.waiting_for:
+                self._waiting_on.setdefault(branch, set()).add(sid)
+            return False
+        for branch in branch_ids:
+            self._waiting_on.get(branch, set()).discard(sid)
+        crash_point("planner.before_merge")
+        body: ev.MergeApplied | ev.MergeConflict
+        if plan.conflicted:
+            body = ev.MergeConflict(
+                branch_session_ids=list(branch_ids), conflicts=list(plan.conflicts), resources=list(plan.resources)
+            )
+            _log.warning("merge into %s conflicts: %s", sid, "; ".join(plan.conflicts))
+        else:
+            body = ev.MergeApplied(
+                branch_session_ids=list(branch_ids), results_json=json.dumps(plan.results, sort_keys=True)
+            )
+        await self.append(sid, body, kind="merge", key=key, cause=cause)
         return True
 
     async def _call_engine(self, state: SessionState, move: CallEngine) -> None:
@@ -183,7 +420,9 @@ class PlannerWorker(SessionWorker):
         try:
             completion = await self._complete(sid, move)
         except EngineError as e:
-            await self.append(sid, ev.SessionFailed(reason=str(e), error_type="EngineError"), kind="end")
+            await self.append(
+                sid, ev.SessionFailed(reason=str(e), error_type="EngineError"), kind="end", key=_end_key(state)
+            )
             return
         crash_point("planner.after_engine")
         self.num_engine_calls += 1
@@ -226,6 +465,37 @@ class PlannerWorker(SessionWorker):
                 _log.warning("engine unavailable (%s); retrying %s in %.1f s", e, move.request_id, delay)
                 await asyncio.sleep(delay)
                 attempt += 1
+
+
+CUT_TOPICS = ("agent.actions", "agent.verdicts", "agent.effects", "ops.commands")
+_BRANCH_NEWS = (ev.SessionFinished, ev.SessionFailed, ev.ToolCallInDoubt, ev.ToolCallStarted)
+
+
+def _end_key(state: SessionState) -> str:
+    """A session ends once per generation: a restored session's new end is a new event."""
+    return f"r{state.generation}" if state.generation else ""
+
+
+def _cut_events(history: list[LoggedEvent]) -> list[CutEvent]:
+    return [CutEvent(e.topic, e.position.offset, e.envelope) for e in history]
+
+
+def log_namespace(log: SharedLog) -> str:
+    return str(getattr(log.backend, "namespace", "") or "")
+
+
+def snapshot_url(explicit: str | None, log_url: str | None) -> str | None:
+    """Where snapshots go: an explicit URL, else the ledger's or the test Postgres, else a Postgres log itself."""
+    for candidate in (
+        explicit,
+        os.environ.get("AGENTLOG_SNAPSHOT_URL"),
+        os.environ.get("AGENTLOG_LEDGER_URL"),
+        os.environ.get("AGENTLOG_PG_URL"),
+    ):
+        if candidate:
+            return candidate
+    url = log_url or os.environ.get("AGENTLOG_LOG_URL") or ""
+    return url if url.startswith(("postgresql://", "postgres://")) else None
 
 
 if __name__ == "__main__":

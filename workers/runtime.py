@@ -170,7 +170,9 @@ class SessionWorker:
                     next_reconcile = loop.time() + self.reconcile_every_s
                     for state in list(self.sessions.values()):
                         ready = self.log.partition_for(state.session_id) in self._ready
-                        if ready and state.status is not None and not state.finished:
+                        # A finished session may still have an operator command to carry out (a restore).
+                        unfinished = not state.finished or bool(state.pending_commands)
+                        if ready and state.status is not None and unfinished:
                             await self.reconcile(state)
             if self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)

@@ -92,7 +92,26 @@ class Fail:
     reason: str
 
 
-Action = CallLLM | CallTool | Finish | Fail
+@dataclass(frozen=True, slots=True)
+class TakeCheckpoint:
+    """The program asks for a checkpoint here; its result is ``{"checkpoint_id": ...}``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """The program forks itself: one branch per entry (the branch's arguments), runs them, merges them.
+
+    Each branch is a new session whose history is this one's up to here (by
+    reference); it runs the same program with its own arguments. The step's
+    result is a ``ToolResult`` of tool ``merge`` whose result maps each branch's
+    session id to its final output (``{"failed": reason}`` for a failed branch);
+    not ok, with the conflicts as the error, when the branches conflict.
+    """
+
+    branches: tuple[dict[str, Any], ...]
+
+
+Action = CallLLM | CallTool | Finish | Fail | TakeCheckpoint | Fork
 
 
 # ----------------------------------------------------------------------- results
@@ -127,6 +146,15 @@ class ProgramView:
     session_id: str
     args: dict[str, Any]
     results: tuple[Result, ...] = field(default_factory=tuple)
+    context_id: str = ""
+    """Seed for the tokens of the program's own prompts: the session id, or for a fork its root
+    ancestor's, so that a fork's prompts repeat its parent's tokens (and hit its KV prefix)."""
+    merged: tuple[dict[str, Any], ...] = ()
+    """Results an operator merged into this session (``logctl merge``), oldest first: branch id -> output."""
+
+    def __post_init__(self) -> None:
+        if not self.context_id:
+            object.__setattr__(self, "context_id", self.session_id)
 
     @property
     def step(self) -> int:

@@ -41,7 +41,7 @@ class TraceProgram:
             runs.append(TokenRun(f"prefix:{prefix['context_id']}", int(prefix["tokens"])))
         results = iter(view.results)
         for index, turn in enumerate(turns):
-            runs.append(TokenRun(f"{view.session_id}:prompt:{index}", int(turn["prompt_tokens"])))
+            runs.append(TokenRun(f"{view.context_id}:prompt:{index}", int(turn["prompt_tokens"])))
             llm = next(results, None)
             if llm is None:
                 return CallLLM(Prompt(tuple(runs)), int(turn["output_tokens"]))
@@ -62,5 +62,5 @@ class TraceProgram:
                 )
             if not isinstance(tool, ToolResult):
                 return Fail(f"turn {index}: expected a tool result, got {type(tool).__name__}")
-            runs.append(TokenRun(f"{view.session_id}:tool:{index}", tool.result_tokens))
+            runs.append(TokenRun(f"{view.context_id}:tool:{index}", tool.result_tokens))
         return Finish({"turns": len(turns), "context_tokens": sum(r.count for r in runs)})
