@@ -3,7 +3,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: install demo test test-unit lint bench-log kafka-up kafka-down clean
+.PHONY: install demo test test-unit lint bench-log kafka-up kafka-down clean vllm-install tiny-model vllm-up vllm-down test-vllm bench-vllm
+
+## vLLM lives in its own virtualenv (it pins torch and transformers): the CPU build where there
+## is no GPU (scripts/install_vllm.sh says how), the regular wheel on a GPU machine.
+VLLM_VENV ?= .cache/vllm-venv
+TINY_MODEL ?= .cache/tiny-llama
+VLLM_RUN ?= .cache/vllm-run
+VLLM_BLOCKS ?= 48
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +47,30 @@ kafka-up: install
 
 kafka-down:
 	$(PY) -m log.local_kafka stop --pid-file .cache/kafka-dev.pid
+
+## vLLM: install (~2 min cold, seconds from uv's cache), the tiny random model (seconds), a server
+## with the project's scheduler and KV events (~35 s to start on 2 cores), its tests, its bench.
+vllm-install:
+	scripts/install_vllm.sh $(VLLM_VENV)
+
+tiny-model: vllm-install
+	env -u PYTHONDONTWRITEBYTECODE $(VLLM_VENV)/bin/python scripts/make_tiny_model.py $(TINY_MODEL)
+
+vllm-up: install tiny-model
+	AGENTLOG_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m workers.engines.vllm.server start --model $(TINY_MODEL) \
+		--run-dir $(VLLM_RUN) --num-gpu-blocks $(VLLM_BLOCKS) --pid-file $(VLLM_RUN).pid > $(VLLM_RUN).env
+	@cat $(VLLM_RUN).env
+
+vllm-down:
+	$(PY) -m workers.engines.vllm.server stop --pid-file $(VLLM_RUN).pid
+
+## The real-vLLM tests (they start their own server unless AGENTLOG_VLLM_URL is set).
+test-vllm: install tiny-model
+	AGENTLOG_VLLM_PYTHON=$(VLLM_VENV)/bin/python AGENTLOG_REQUIRE_VLLM=1 $(PY) -m pytest tests/integration/vllm
+
+## Trace workload on real vLLM, with and without the cache manager, side by side (starts its own servers).
+bench-vllm: install tiny-model
+	AGENTLOG_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m bench.vllm_agents
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

@@ -150,6 +150,7 @@ class VllmServerConfig:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root()), env.get("PYTHONPATH")) if p)
         env[CONTROL_ENV] = self.control
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # vLLM imports twice as fast from .pyc (written on first start)
         if self.cpu:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         return env
@@ -176,6 +177,8 @@ class VllmServer:
         cfg = self.config
         if not Path(cfg.python).exists():
             raise FileNotFoundError(f"no vLLM virtualenv at {cfg.python}: run scripts/install_vllm.sh")
+        if len(str(cfg.run_dir / "kv-replay")) > 100:  # a Unix socket path holds at most ~107 bytes
+            raise ValueError(f"run directory {cfg.run_dir} is too long for ipc sockets; use a shorter path")
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         cfg.run_dir.chmod(0o700)
         for name in ("kv-events", "kv-replay", "control"):  # stale sockets of a killed run
