@@ -1,5 +1,10 @@
 """Start and stop the whole stack as local processes: engine, planner(s), decider, executor.
 
+With ``cache_manager=True`` it also starts the engine bridge (``workers.engine_bridge``:
+the engine's KV events into ``kv.events``, ``kv.decisions`` into the engine) and the
+cache manager (``workers.cache_manager``); ``engine_args`` and ``cache_manager_args``
+pass options to the engine and the cache manager (e.g. ``--gpu-blocks N``).
+
 Every process is a plain ``python -m workers.<role>`` child with the log URL in
 its environment, so ``kill -9`` of any of them is exactly what a crash is.
 ``Stack`` is used by ``logctl up``, ``logctl demo`` and the end-to-end tests.
@@ -75,6 +80,19 @@ class Process:
             return ""
 
 
+_FULL_NAME_PRINCIPALS = ("engine-bridge", "cache-manager")
+
+
+def _principal(name: str) -> str | None:
+    """The Kafka principal a process of the stack logs in as (the engine has none)."""
+    if name == "engine":
+        return None
+    for principal in _FULL_NAME_PRINCIPALS:
+        if name.startswith(principal):
+            return principal
+    return name.split("-")[0]
+
+
 @dataclass
 class Stack:
     """The processes of one local deployment."""
@@ -86,6 +104,9 @@ class Stack:
     engine_port: int = 0
     extra_env: dict[str, str] = field(default_factory=dict)
     processes: dict[str, Process] = field(default_factory=dict)
+    cache_manager: bool = False
+    engine_args: list[str] = field(default_factory=list)
+    cache_manager_args: list[str] = field(default_factory=list)
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
@@ -106,7 +127,7 @@ class Stack:
         if credentials := env.pop("AGENTLOG_KAFKA_CREDENTIALS", None):
             # A secure broker: each process logs in as its own role, with only its own password
             # (the per-principal files beside credentials.json), never with the operator's.
-            principal = name.split("-")[0] if name != "engine" else None
+            principal = _principal(name)
             env.pop("AGENTLOG_KAFKA_PASSWORD", None)
             env.pop("AGENTLOG_KAFKA_USERNAME", None)
             env.pop("AGENTLOG_KAFKA_PASSWORD_FILE", None)
@@ -124,13 +145,22 @@ class Stack:
             self.start_process(role)
         for i in range(self.num_planners):
             self.start_process(f"planner-{i}")
+        if self.cache_manager:
+            self.start_process("engine-bridge")
+            self.start_process("cache-manager")
         return self
 
     def start_process(self, name: str, env: dict[str, str] | None = None) -> Process:
-        """Start (or restart) one process of the stack by name: engine, decider, executor, planner-N."""
+        """Start (or restart) one process of the stack by name: engine, decider, executor, planner-N,
+        engine-bridge, cache-manager."""
         if name == "engine":
-            args = ["--port", str(self.engine_port), "--state-dir", str(self.work_dir / "engine")]
+            args = ["--port", str(self.engine_port), "--state-dir", str(self.work_dir / "engine"), *self.engine_args]
             process = self._process(name, "workers.engines.sim_server", args, env)
+        elif name == "engine-bridge":
+            args = ["--engine", "sim", "--engine-url", self.engine_url]
+            process = self._process(name, "workers.engine_bridge", args, env)
+        elif name == "cache-manager":
+            process = self._process(name, "workers.cache_manager", list(self.cache_manager_args), env)
         elif name.startswith("planner"):
             process = self._process(name, "workers.planner", ["--engine-url", self.engine_url], env)
         elif name == "executor":

@@ -123,6 +123,7 @@ class CacheManagerWorker:
         poll_timeout_s: float = 0.5,
         max_records: int = 500,
         stats: WorkerStats | None = None,
+        recover: bool = True,
     ) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
@@ -135,6 +136,8 @@ class CacheManagerWorker:
         self.poll_timeout_s = poll_timeout_s
         self.max_records = max_records
         self.stats = stats if stats is not None else WorkerStats()
+        self.recover = recover
+        """False: every event read is new (no replay rules); benchmarks reading a backlog."""
         self.caught_up = asyncio.Event()
         self._stopping = asyncio.Event()
         self._logged: dict[str, CacheDecisionMade] = {}
@@ -190,10 +193,11 @@ class CacheManagerWorker:
     # -------------------------------------------------------------------- loop
 
     async def run(self) -> None:
-        self._logged = await self.read_decisions()
-        for topic in self.topics:
-            for partition, end in (await self.log.end_offsets(topic)).items():
-                self._boundary[(topic, partition)] = end
+        if self.recover:
+            self._logged = await self.read_decisions()
+            for topic in self.topics:
+                for partition, end in (await self.log.end_offsets(topic)).items():
+                    self._boundary[(topic, partition)] = end
         _log.info(
             "cache manager: %d decisions in the log; replaying %d events",
             len(self._logged),

@@ -34,7 +34,8 @@ events after a restart appends nothing twice):
   deficit is covered: SWAP when the host has room and swap-in is cheaper than recompute
   (``CachePolicy.can_swap``), else RELEASE (the engine frees what it needs, LRU).
 - ``ttl``: when the log's time passes a PRESERVE's TTL end, that session is decided
-  again (as of the TTL end; the trigger is the PRESERVE decision's event id).
+  again, as of the time of the event that passed it (the trigger is the PRESERVE
+  decision's event id).
 
 **Time** is the largest event time seen (a watermark): TTL ends fire, in order of (end,
 session id), before the first event at or after them is folded. Without events, no
@@ -321,10 +322,12 @@ class CacheManager:
             if s.version != version or s.hold is not Hold.PINNED:
                 continue
             self._set_hold(sid, s, Hold.NONE)  # the engine's pin ended
-            decision = self._decide_one(self.view(sid), end)
+            # Decided as of ``until``, not ``end``: the new TTL ends after ``until``, so a jump of
+            # the log's time (a backlog, a restart) re-decides a session once, not once per TTL.
+            decision = self._decide_one(self.view(sid), until)
             if decision is not None:
                 trigger = s.pin_id
-                self._record(Decided(decision_event_id(trigger, "ttl", sid), trigger, "ttl", end, decision), s, out)
+                self._record(Decided(decision_event_id(trigger, "ttl", sid), trigger, "ttl", until, decision), s, out)
 
     # ------------------------------------------------------------------ memory
 
@@ -337,17 +340,17 @@ class CacheManager:
 
     def _recharge(self, sid: SessionId, s: _Session) -> None:
         """Recount what the session holds after its hold or its blocks changed."""
-        blocks = self.view(sid).gpu_blocks
-        if s.hold is Hold.ACTIVE:
-            charged = max(s.need, blocks)
-        elif s.hold is Hold.PINNED:
-            charged = blocks
+        hold = s.hold
+        if hold is Hold.ACTIVE:
+            charged = max(s.need, self.view(sid).gpu_blocks)
+        elif hold is Hold.PINNED:
+            charged = self.view(sid).gpu_blocks
         else:
             charged = 0
         self.gpu_used += charged - s.charged
         s.charged = charged
         host_charged = 0
-        if s.hold is Hold.SWAPPED:
+        if hold is Hold.SWAPPED:
             host_blocks = self.builder.view(sid).host_blocks if s.kv_seen else 0
             host_charged = max(s.host_reserved, host_blocks)
         self.host_used += host_charged - s.host_charged

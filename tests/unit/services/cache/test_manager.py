@@ -153,10 +153,17 @@ def test_a_ttl_end_decides_again_before_the_event_that_passes_it() -> None:
     decided = feed.llm("b", 12.0, 100)
     (again,) = decided
     assert (again.kind, again.trigger_id) == ("ttl", first.event_id)
-    assert again.at == pytest.approx(10.2)
+    assert again.at == 12.0  # as of the event that passed the TTL end
     assert again.event_id == decision_event_id(first.event_id, "ttl", "a")
     assert (again.decision.action, again.decision.ttl_s) == (CacheAction.PRESERVE, 10.0)
     assert feed.manager.hold(SessionId("a")) is Hold.PINNED
+
+
+def test_a_jump_of_the_log_time_decides_a_pinned_session_once() -> None:
+    feed = Feed()
+    feed.pinned("a", 0.0, 304)  # TTL 10 s
+    decided = feed.llm("b", 1000.0, 10)  # a hundred TTLs later
+    assert [(d.session_id, d.kind, d.at) for d in decided] == [("a", "ttl", 1000.0)]
 
 
 def test_ttl_ends_fire_in_order_of_end_then_session() -> None:
