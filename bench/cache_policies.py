@@ -2,68 +2,108 @@
 
 Run::
 
-    python -m bench.cache_policies [--quick] [--csv FILE] [--png FILE] [--seed S]
+    python -m bench.cache_policies [--quick] [--csv FILE] [--png FILE] [--txt FILE]
+                                   [--seed S] [--workloads a,b] [--policies a,b]
+
+(``--quick``: fewer sessions per workload, about 2-3 minutes on one core; the full
+sweep takes about 15.) Results and the honest comparison: ``docs/cache-policies.md``.
 
 What runs
 ---------
 Simulated time, no sleeps. One engine serves one LLM call at a time from a FIFO
-queue, against a ``PagedKVCache`` (GPU tier plus a host tier of the same size)
-charged by the default ``CostModel`` (Llama-3-8B on an A100; see
-``services/engine/cost.py``). Every policy gets the same cache sizes, cost model and
-workload; only the cache manager differs. A session's context is synthetic token ids
-(``TokenRun``: shared system prompts share ids, so they share blocks); each turn
-appends its prompt, the call generates its output, the tool (true trace duration)
-runs, and its result is appended before the next call. A call that does not fit
-(``OutOfBlocks``) asks the manager to make room; if it cannot, every pin is released
-(counted as ``forced``) and the call retried.
+queue (the project's ``SimEngine`` model), against a ``PagedKVCache`` (GPU tier plus
+a host tier of the same size) charged by the default ``CostModel`` (Llama-3-8B on an
+A100; see ``services/engine/cost.py``). Every policy gets the same cache sizes, cost
+model and workload; only the cache manager differs. A session's context is synthetic
+token ids (``TokenRun``: shared system prompts share ids, so they share blocks); each
+turn appends its prompt, the call generates its output, the tool (true trace
+duration) runs, and its result is appended before the next call. A call that does
+not fit (``OutOfBlocks``) asks the manager to make room; if it cannot, every pin is
+released (counted as ``forced``) and the call retried.
+
+**Transfers are charged both ways.** A call pays ``swap_ms`` for the blocks it swaps
+in; every swap-out pays ``swap_ms`` of engine time too: transfers are serialized with
+compute (as vLLM v0 swaps blocks in its scheduler step, and as InferCept's waste
+model assumes: a swap stalls everyone). A swap-out made while a call starts (its
+``make_room``) lengthens that call; one made at another time occupies the engine
+from then on, so calls that arrive meanwhile wait for it.
 
 Policies
 --------
 - ``vllm``: no cache manager; blocks go back to the LRU at the end of every call
   (finished sessions included).
-- ``infercept``: at each tool gap, with the TRUE duration ``T``, the least waste of
-  preserve (``T * C``, block-seconds), swap (``2 * swap_s(C) * M``) and discard
-  (``recompute_s(C) * M``), ``C`` the session's blocks and ``M`` the GPU blocks held
-  (pinned plus ``C``). Preserve pins until ``now + T``; swap moves to the host;
-  discard frees the blocks to the LRU (on a prefix-caching engine the freed blocks
-  stay reusable until evicted: the charitable reading). Under pressure the pin that
-  returns last is evicted first.
+- ``infercept``: at each tool gap, with the TRUE duration ``T`` (the paper assumes it
+  known), the least waste of preserve (``T * C``, block-seconds), swap (``2 *
+  swap_s(C) * M``) and discard (``recompute_s(C) * M``), ``C`` the session's blocks
+  and ``M`` the GPU blocks held (pinned plus ``C``). Preserve pins until ``now + T``;
+  swap moves to the host; discard frees the blocks to the LRU (on a prefix-caching
+  engine the freed blocks stay reusable until evicted: the charitable reading).
+  Under pressure the pin that returns last (true) is evicted first.
 - ``continuum``: pin for the TTL ``tau`` maximizing ``F(tau) * (eta * T_queue +
   reload_s) - tau`` (``F`` the learned tool-duration CDF, ``T_queue`` the measured
   mean queueing delay, ``eta = 1``, ``reload_s`` the recompute time of the context;
   candidates 0, a grid and the observed durations). ``continuum-2s``: a fixed 2 s
   TTL. Under pressure the pin that expires last is released to the LRU first.
 - ``kvflow``: pin every waiting session; under pressure evict (swap if the host has
-  room, else release to the LRU) the one with the largest estimated time to its next call,
-  ``max(0, mean_T - elapsed)`` with ``mean_T`` the learned mean (no future knowledge).
-- ``ours``: ``services.cache.CachePolicy`` (survival score; see its docstring).
+  room, else release to the LRU) the one with the largest estimated time to its next
+  call, ``max(0, mean_T - elapsed)`` with ``mean_T`` the learned mean (no future
+  knowledge). KVFlow's overlapped prefetch is not modelled (transfers are serial here).
+- ``ours``: ``services.cache.CachePolicy`` (survival score, host-tier eviction,
+  deferred offloads; see its docstring), fed only what a log-driven manager knows:
+  phases, tool durations learned from completed tools, the measured queueing delay,
+  free blocks, host room and the number of queued calls. It decides at every tool
+  gap, at TTL ends, whenever the engine goes idle (deferred offloads), and when a
+  call needs room.
 - ``oracle``: Belady: pin every waiting session; under pressure evict the one whose
-  TRUE next call is farthest (swap if room, else release). The bound (for whole-session
-  eviction).
+  TRUE next call is farthest (swap if room, else release). The bound for
+  whole-session eviction (not for every cost: it ignores sizes and transfer time).
 
 "Release to the LRU" is how every manager evicts without host room: the session is
 unpinned and the engine evicts only the blocks it needs, the context's tail first, so
 the prefix survives (a lazy discard; discarding whole sessions did worse for all).
-
 Every manager but ``vllm`` learns tool durations online (from completed tools only)
-and discards a finished session's private blocks.
+and discards a finished session's blocks at once.
+
+Workloads
+---------
+Every trace in ``/work/shared/traces`` that is present, then the synthetic generator:
+
+- ``infercept``: InferCept's six-augmentation workload (ICML 2024), Poisson arrivals
+  (as the paper); 397 sessions (100 with ``--quick``).
+- ``continuum-swe``: the 5 SWE-bench trajectories of Continuum's sample trace, 12
+  jobs of each (4 with ``--quick``) at Poisson arrivals (ids ``<id>#<k>``; the shared
+  system prompt shares blocks, nothing else does).
+- ``mooncake``: the first 120 (40) multi-turn sessions recovered from Mooncake's
+  conversation trace (its gaps are human think time), arrival offsets rescaled to the
+  rate (order and relative spacing kept).
+- ``synthetic-lognormal`` and ``synthetic-pareto``: 200 (40) sessions from
+  ``services.traces.synthetic`` with log-normal or Pareto tool durations (capped at
+  600 s) and mixed session lengths, 50-token median outputs (tool-calling turns are
+  short, so that more sessions are alive at once); other settings are its defaults.
+
+Every workload is cut at a context window of ``MAX_CONTEXT_TOKENS`` (32k): a session
+ends before a call that would exceed it (without the cut, one very long Pareto
+session is larger than a quarter of the whole working set and every capacity
+collapses to the same size).
 
 Metrics
 -------
 ``jct``: job completion time (session arrival to its last token), mean and p95;
 ``recomp``: prompt tokens prefilled (not found on GPU or host); ``hit``: prompt
 tokens reused (GPU hits plus swapped in) over prompt tokens; ``swapGB``: bytes swapped
-out plus in; ``idleGBs``: GPU memory-time held by pinned idle sessions (GB-s,
-sampled at events); ``forced``: times every pin had to be dropped.
+out plus in; ``xfer_s``: engine seconds spent on those transfers; ``idleGBs``: GPU
+memory-time held by pinned idle sessions (GB-s); ``forced``: times every pin had to
+be dropped. ``floor``: the mean JCT with no queueing and a perfect cache (tool time
+plus ``service_s``): no policy can do better, which bounds every speedup.
 
 Capacity is a fraction (25/50/75/100%) of the workload's peak working set: the
 largest, over call starts in an unconstrained run, of the blocks of every live
-session's context plus the call's reservation (never below the largest call).
-Arrival rates are offered loads (50% and 80%) of the engine's service time with a
-perfect cache (only appended tokens prefilled): what is lost to recomputation pushes
-the real load above that, and queueing shows it.
-Synthetic workloads use 50-token median outputs (tool-calling turns are short), so
-that more sessions are alive at once; the other generator settings are its defaults.
+session's context plus the call's reservation (never below the largest call, so on a
+workload whose largest call is above 25% of the peak, 25% and 50% can coincide: the
+``blocks`` column says). Arrival rates are offered loads (50% and 80%) of the
+engine's service time with a perfect cache (only appended tokens prefilled): what is
+lost to recomputation and transfers pushes the real load above that, and queueing
+shows it.
 """
 
 from __future__ import annotations
@@ -78,8 +118,9 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TextIO
 
 from schemas.events import CacheAction, SessionId
 from services.cache import CachePolicy, Delays, MemoryState, Phase, SessionView, ToolLatencyModel
@@ -87,12 +128,18 @@ from services.engine.blocks import BlockHash, hash_blocks
 from services.engine.cost import CostModel
 from services.engine.kv_cache import OutOfBlocks, PagedKVCache
 from services.programs.base import TokenRun
+from services.traces.arrivals import poisson_arrivals
+from services.traces.continuum import from_continuum
 from services.traces.infercept import from_infercept
-from services.traces.model import Trace, TraceSession, head
+from services.traces.model import Trace, TraceSession, TraceTurn, head
+from services.traces.mooncake import from_mooncake
 from services.traces.stats import percentile
 from services.traces.synthetic import synthetic
 
-INFERCEPT_PATH = Path("/work/shared/traces/infercept_merged_exp_uniform.json")
+TRACES_DIR = Path("/work/shared/traces")
+MAX_CONTEXT_TOKENS = 32_768  # the model's context window: longer sessions end early
+LOADS = (0.5, 0.8)
+CAPACITIES = (0.25, 0.5, 0.75, 1.0)
 HUMAN_TOOLS = frozenset({"human"})
 _MS = 1000.0
 _GB = 1e9
@@ -133,6 +180,7 @@ class Metrics:
     swapped_in_blocks: int = 0
     swapped_out_blocks: int = 0
     idle_block_s: float = 0.0
+    transfer_s: float = 0.0  # engine time spent swapping (out and in)
     forced: int = 0
     peak_live_blocks: int = 0
     max_call_blocks: int = 0
@@ -156,6 +204,10 @@ class Sim:
         self._seq = 0
         self._last_t = 0.0
         self._live: set[SessionId] = set()
+        self.on_host: dict[SessionId, int] = {}  # sessions swapped out -> host blocks
+        self._in_call_start = False
+        self._start_extra_ms = 0.0  # transfers made while a call starts (its make_room): on its critical path
+        self._running_blocks = 0
         manager.sim = self
 
     def push(self, t: float, kind: str, sid: SessionId) -> None:
@@ -168,20 +220,52 @@ class Sim:
             self.push(s.trace.arrival_s, "ready", s.sid)
         while self._events:
             t, _, kind, sid = heapq.heappop(self._events)
-            self.m.idle_block_s += (self.cache.num_gpu_blocks - self.cache.num_free_blocks) * (t - self._last_t)
+            # GPU memory held by idle sessions: neither free nor the running call's.
+            held = self.cache.num_gpu_blocks - self.cache.num_free_blocks - self._running_blocks
+            self.m.idle_block_s += held * (t - self._last_t)
             self._last_t = t
             expired = self.cache.expire(t)
             if expired:
                 self.manager.on_expire(expired, t)
-            s = self.sessions[sid]
             if kind == "ready":
-                self._ready(s, t)
-            else:
-                self._done(s, t)
-            if self.busy_until <= t and self.queue:
-                self._start(self.sessions[self.queue.popleft()], t)
+                self._ready(self.sessions[sid], t)
+            elif kind == "done":
+                self._done(self.sessions[sid], t)
+            if self.busy_until <= t:
+                if self.queue:
+                    self._start(self.sessions[self.queue.popleft()], t)
+                elif kind == "done":
+                    self.manager.on_idle(t)
         self.m.swapped_out_blocks = self.cache.stats.num_swapped_out_blocks
         return self.m
+
+    def transfer(self, num_blocks: int, now: float) -> None:
+        """Charge a swap of ``num_blocks`` to the engine: transfers are serialized with compute (as vLLM v0
+        swaps blocks in the scheduler step), so whoever waits for the engine waits for them too."""
+        ms = self.cost.swap_ms(num_blocks)
+        self.m.transfer_s += ms / _MS
+        if self._in_call_start:
+            self._start_extra_ms += ms
+            return
+        self.busy_until = max(self.busy_until, now) + ms / _MS
+        self.push(self.busy_until, "wake", SessionId(""))
+
+    def swap_out(self, sid: SessionId, now: float) -> int:
+        """Swap the session out; when the host lacks room after all (a manager's view of shared
+        blocks can be off), release it to the LRU instead."""
+        try:
+            moved = self.cache.swap_out(sid)
+        except OutOfBlocks:
+            self.cache.release(sid)
+            return 0
+        if moved:
+            self.on_host[sid] = self.on_host.get(sid, 0) + moved
+            self.transfer(moved, now)
+        return moved
+
+    def discard(self, sid: SessionId) -> None:
+        self.cache.discard(sid)
+        self.on_host.pop(sid, None)
 
     def _ready(self, s: Sess, t: float) -> None:
         if s.turn == 0:
@@ -213,6 +297,7 @@ class Sim:
         self.m.peak_live_blocks = max(self.m.peak_live_blocks, live + need)
         self.queue_delay_s = 0.8 * self.queue_delay_s + 0.2 * (t - s.ready_at)
         s.phase = Phase.LLM
+        self._in_call_start, self._start_extra_ms = True, 0.0
         while True:
             try:
                 alloc = self.cache.begin_call(
@@ -230,13 +315,21 @@ class Sim:
         n_computed = (n_prompt + n_decode) // self.bs
         if n_computed > len(prompt_hashes):
             self.cache.cache_blocks(s.sid, s.hashes[:n_computed])
+        self._in_call_start = False
+        self.on_host.pop(s.sid, None)
+        self.m.transfer_s += self.cost.swap_ms(alloc.num_swapped_in_blocks) / _MS
         ms = (
-            self.cost.swap_ms(alloc.num_swapped_in_blocks)
+            self._start_extra_ms
+            + self.cost.swap_ms(alloc.num_swapped_in_blocks)
             + self.cost.prefill_ms(alloc.num_computed_tokens, alloc.num_reused_tokens)
             + self.cost.decode_ms(turn.output_tokens, n_prompt)
         )
         finished = t + ms / _MS
         self.cache.end_call(s.sid, finished)
+        # The cache model frees the call's blocks now (nothing else runs until it ends); only its
+        # pinned blocks stay out of the free queue, and they are in use, not idle, until it ends.
+        mine = self.cache.blocks_of(s.sid)
+        self._running_blocks = len(mine.gpu_block_ids) if mine.pinned else 0
         self.m.prompt_tokens += n_prompt
         self.m.computed_tokens += alloc.num_computed_tokens
         self.m.swapped_in_blocks += alloc.num_swapped_in_blocks
@@ -250,6 +343,7 @@ class Sim:
         return released > 0
 
     def _done(self, s: Sess, t: float) -> None:
+        self._running_blocks = 0
         turn = s.trace.turns[s.turn]
         s.turn += 1
         if turn.tool is None:
@@ -272,12 +366,12 @@ class Sim:
     def pinned(self) -> list[SessionId]:
         return [sid for sid in self.cache.session_ids() if self.cache.blocks_of(sid).pinned]
 
-    def evict(self, sid: SessionId) -> None:
+    def evict(self, sid: SessionId, now: float) -> None:
         """Swap out if the host has room and swap-in is cheaper than recompute, else release to the LRU
         (a lazy discard: the engine evicts only the blocks it needs, the context's tail first)."""
         blocks = self.gpu_blocks_of(sid)
         if 0 < blocks <= self.cache.num_free_host_blocks and self.cost.recompute_vs_swap(blocks) == "swap":
-            self.cache.swap_out(sid)
+            self.swap_out(sid, now)
         else:
             self.cache.release(sid)
 
@@ -296,15 +390,18 @@ class Manager:
         pass
 
     def on_finish(self, s: Sess, now: float) -> None:
-        self.sim.cache.discard(s.sid)
+        self.sim.discard(s.sid)
 
     def on_expire(self, sids: list[SessionId], now: float) -> None:
         pass
 
+    def on_idle(self, now: float) -> None:
+        """The engine has nothing to run (a transfer now delays no one)."""
+
     def make_room(self, needed: int, now: float, requester: Sess) -> bool:
         return False
 
-    def _evict_by(self, key: Callable[[SessionId], float], requester: Sess, needed: int) -> bool:
+    def _evict_by(self, key: Callable[[SessionId], float], requester: Sess, needed: int, now: float) -> bool:
         """Evict pinned sessions, largest key first (ties by id), until ``needed`` blocks are freed."""
         victims = sorted((s for s in self.sim.pinned() if s != requester.sid), key=lambda x: (-key(x), x))
         freed = 0
@@ -312,7 +409,7 @@ class Manager:
             if freed >= needed:
                 break
             freed += self.sim.gpu_blocks_of(sid)
-            self.sim.evict(sid)
+            self.sim.evict(sid, now)
         return freed > 0
 
 
@@ -331,7 +428,7 @@ class InferCept(Manager):
         c = sim.gpu_blocks_of(s.sid)
         if c == 0:
             return
-        duration = s.next_ready_at - now
+        duration = s.next_ready_at - now  # the TRUE tool duration, as the paper assumes
         m = sim.cache.num_gpu_blocks - sim.cache.num_free_blocks + c
         preserve = duration * c
         discard = sim.cost.recompute_ms(c * sim.bs) / _MS * m
@@ -340,11 +437,11 @@ class InferCept(Manager):
         if best == preserve:
             sim.cache.pin(s.sid, until=s.next_ready_at)
         elif best == swap:
-            sim.cache.swap_out(s.sid)
+            sim.swap_out(s.sid, now)
         # discard: blocks stay in the LRU (freed, still cached)
 
     def make_room(self, needed: int, now: float, requester: Sess) -> bool:
-        return self._evict_by(lambda sid: self.sim.sessions[sid].next_ready_at, requester, needed)
+        return self._evict_by(lambda sid: self.sim.sessions[sid].next_ready_at, requester, needed, now)
 
 
 class Continuum(Manager):
@@ -400,7 +497,7 @@ class KVFlow(Manager):
         return max(0.0, self.sim.latency.mean(s.tool) - (now - s.gap_started_at))
 
     def make_room(self, needed: int, now: float, requester: Sess) -> bool:
-        return self._evict_by(lambda sid: self.estimate(sid, now), requester, needed)
+        return self._evict_by(lambda sid: self.estimate(sid, now), requester, needed, now)
 
 
 class Oracle(Manager):
@@ -414,10 +511,13 @@ class Oracle(Manager):
             s = self.sim.sessions[sid]
             return s.next_ready_at if s.phase in (Phase.TOOL, Phase.HUMAN) else now
 
-        return self._evict_by(next_reference, requester, needed)
+        return self._evict_by(next_reference, requester, needed, now)
 
 
 class Ours(Manager):
+    """``services.cache.CachePolicy`` fed what a log-driven manager sees: phases, learned tool
+    durations, measured queueing delay, the engine's free blocks, host room and queue length."""
+
     name = "ours"
 
     def __init__(self) -> None:
@@ -431,6 +531,7 @@ class Ours(Manager):
     def _view(self, sid: SessionId) -> SessionView:
         s = self.sim.sessions[sid]
         started = s.gap_started_at if s.phase in (Phase.TOOL, Phase.HUMAN) else None
+        host = self.sim.on_host.get(sid, 0)
         return SessionView(
             sid,
             s.phase,
@@ -438,52 +539,54 @@ class Ours(Manager):
             tool=s.tool,
             tool_started_at=started,
             context_tokens=len(s.tokens),
-            gpu_blocks=self.sim.gpu_blocks_of(sid),
+            gpu_blocks=0 if host else self.sim.gpu_blocks_of(sid),
+            host_blocks=host,
             turns=s.turn,
         )
 
-    def _memory(self, needed: int, reclaimable: dict[SessionId, int] | None = None) -> MemoryState:
-        cache = self.sim.cache
-        return MemoryState(
+    def _apply(self, sids: list[SessionId], now: float, needed: int, evict_only: bool) -> bool:
+        sim = self.sim
+        cache = sim.cache
+        views = [self._view(sid) for sid in sids]
+        reclaimable = {v.session_id: v.gpu_blocks for v in views} if evict_only else None
+        memory = MemoryState(
             gpu_total_blocks=cache.num_gpu_blocks,
             gpu_free_blocks=cache.num_free_blocks,
             host_free_blocks=cache.num_free_host_blocks,
             needed_blocks=needed,
             reclaimable=reclaimable,
+            queued_calls=len(sim.queue),
         )
-
-    def _apply(self, sids: list[SessionId], now: float, needed: int, evict_only: bool) -> bool:
-        views = [self._view(sid) for sid in sids]
-        reclaimable = {v.session_id: v.gpu_blocks for v in views} if evict_only else None
-        decisions = self._policy().decide(
-            views, now, self._memory(needed, reclaimable), Delays(queue_s=self.sim.queue_delay_s)
-        )
-        cache = self.sim.cache
-        acted = False
-        for d in decisions:
+        free_before = cache.num_free_blocks
+        for d in self._policy().decide(views, now, memory, Delays(queue_s=sim.queue_delay_s)):
             if d.action is CacheAction.PRESERVE and not evict_only:
                 assert d.ttl_s is not None
                 cache.pin(d.session_id, until=now + d.ttl_s)
             elif d.action is CacheAction.RELEASE:
-                acted = cache.release(d.session_id) > 0 or acted
+                cache.release(d.session_id)
             elif d.action is CacheAction.SWAP:
-                cache.swap_out(d.session_id)
-                acted = True
+                sim.swap_out(d.session_id, now)
             elif d.action is CacheAction.DISCARD:
-                cache.discard(d.session_id)
-                acted = True
-        return acted
+                sim.discard(d.session_id)
+        return cache.num_free_blocks > free_before
+
+    def _waiting(self, sids: list[SessionId]) -> list[SessionId]:
+        return [sid for sid in sids if self.sim.sessions[sid].phase in (Phase.TOOL, Phase.HUMAN, Phase.IDLE)]
 
     def on_gap(self, s: Sess, now: float) -> None:
         self._apply([s.sid], now, 0, evict_only=False)
 
     def on_expire(self, sids: list[SessionId], now: float) -> None:
-        waiting = [sid for sid in sids if self.sim.sessions[sid].phase in (Phase.TOOL, Phase.HUMAN, Phase.IDLE)]
-        self._apply(waiting, now, 0, evict_only=False)
+        self._apply(self._waiting(sids), now, 0, evict_only=False)
+
+    def on_idle(self, now: float) -> None:
+        # Offloads deferred while calls waited can run now, when they delay no one.
+        self._apply(self._waiting(self.sim.pinned()), now, 0, evict_only=False)
 
     def make_room(self, needed: int, now: float, requester: Sess) -> bool:
         pinned = [sid for sid in self.sim.pinned() if sid != requester.sid]
-        return self._apply(pinned, now, needed + self.sim.cache.num_free_blocks, evict_only=True)
+        residents = [sid for sid in self.sim.on_host if sid != requester.sid]
+        return self._apply(pinned + residents, now, needed + self.sim.cache.num_free_blocks, evict_only=True)
 
 
 def make_manager(name: str) -> Manager:
@@ -517,25 +620,103 @@ def service_s(trace: Trace, cost: CostModel) -> float:
     return total / _MS / max(1, len(trace))
 
 
-def workloads(quick: bool, seed: int) -> dict[str, Callable[[float], Trace]]:
-    n_infercept = 120 if quick else 397
-    n_synthetic = 50 if quick else 200
-    out: dict[str, Callable[[float], Trace]] = {}
-    if INFERCEPT_PATH.exists():
-        raw = json.loads(INFERCEPT_PATH.read_text())
-        out["infercept"] = lambda rate: head(
-            from_infercept(raw, arrival_rate_per_s=rate, rng=random.Random(seed)), n_infercept
+def cap_context(trace: Trace, max_tokens: int) -> Trace:
+    """End every session before the call whose context would exceed ``max_tokens`` (the model's
+    window); sessions whose first call alone exceeds it are dropped."""
+    sessions: list[TraceSession] = []
+    for s in trace:
+        context = 0
+        kept: list[TraceTurn] = []
+        for turn in s.turns:
+            if context + turn.prompt_tokens + turn.output_tokens > max_tokens:
+                break
+            kept.append(turn)
+            context += turn.appended_tokens
+        if not kept:
+            continue
+        if len(kept) < len(s.turns):
+            last = kept[-1]
+            kept[-1] = TraceTurn(last.prompt_tokens, last.output_tokens, shared_prefix=last.shared_prefix)
+        sessions.append(replace(s, turns=tuple(kept)))
+    return Trace(tuple(sessions), notes=(*trace.notes, f"contexts capped at {max_tokens} tokens"))
+
+
+def respace(trace: Trace, rate_per_s: float) -> Trace:
+    """Scale the arrival offsets (order and relative spacing kept) to a mean rate of ``rate_per_s``."""
+    if len(trace) < 2:
+        return trace
+    first, last = trace.sessions[0].arrival_s, trace.sessions[-1].arrival_s
+    factor = (len(trace) - 1) / rate_per_s / (last - first) if last > first else 0.0
+    sessions = tuple(replace(s, arrival_s=(s.arrival_s - first) * factor) for s in trace)
+    return Trace(sessions, notes=(*trace.notes, f"arrivals respaced to {rate_per_s:.3g}/s"))
+
+
+def replicate(trace: Trace, copies: int, rate_per_s: float, rng: random.Random) -> Trace:
+    """``copies`` jobs of every session (ids ``<id>#<k>``), at Poisson arrivals of ``rate_per_s``."""
+    jobs = [replace(s, session_id=f"{s.session_id}#{k}") for k in range(copies) for s in trace]
+    rng.shuffle(jobs)
+    arrivals = poisson_arrivals(len(jobs), rate_per_s, rng)
+    sessions = tuple(replace(s, arrival_s=a) for s, a in zip(jobs, arrivals, strict=True))
+    return Trace(sessions, notes=(*trace.notes, f"{copies} copies of each session"))
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    build: Callable[[float], Trace]  # arrival rate (sessions/s) -> trace
+
+
+def workloads(quick: bool, seed: int, traces_dir: Path = TRACES_DIR) -> list[Workload]:
+    """Every trace in ``traces_dir`` that is present, then the synthetic generator (log-normal, Pareto)."""
+    out: list[Workload] = []
+    infercept = traces_dir / "infercept_merged_exp_uniform.json"
+    if infercept.exists():
+        raw = json.loads(infercept.read_text())
+        n = 100 if quick else 397
+        out.append(
+            Workload(
+                "infercept",
+                lambda rate: head(from_infercept(raw, arrival_rate_per_s=rate, rng=random.Random(seed)), n),
+            )
         )
     else:
-        print(f"skipping the InferCept workload: {INFERCEPT_PATH} not found", file=sys.stderr)
+        print(f"skipping the InferCept workload: {infercept} not found", file=sys.stderr)
+    continuum = traces_dir / "continuum_swe_test5_with_timings.json"
+    if continuum.exists():
+        base = from_continuum(json.loads(continuum.read_text()), arrival_rate_per_s=1.0, rng=random.Random(seed))
+        copies = 4 if quick else 12
+        out.append(
+            Workload(
+                "continuum-swe",
+                lambda rate: replicate(cap_context(base, MAX_CONTEXT_TOKENS), copies, rate, random.Random(seed)),
+            )
+        )
+    else:
+        print(f"skipping the Continuum workload: {continuum} not found", file=sys.stderr)
+    mooncake = traces_dir / "mooncake_conversation_trace.jsonl"
+    if mooncake.exists():
+        whole = cap_context(from_mooncake(mooncake.read_text().splitlines()), MAX_CONTEXT_TOKENS)
+        multi = Trace(tuple(s for s in whole if len(s.turns) > 1)[: 40 if quick else 120])
+        out.append(Workload("mooncake", lambda rate: respace(multi, rate)))
+    else:
+        print(f"skipping the Mooncake workload: {mooncake} not found", file=sys.stderr)
+    n_synthetic = 40 if quick else 200
     for kind in ("lognormal", "pareto"):
-        out[f"synthetic-{kind}"] = lambda rate, kind=kind: synthetic(  # type: ignore[misc]
-            n_synthetic,
-            rng=random.Random(seed),
-            tool_duration=kind,
-            arrival_rate_per_s=rate,
-            median_output_tokens=50,
-            max_tool_duration_s=600.0,
+        out.append(
+            Workload(
+                f"synthetic-{kind}",
+                lambda rate, kind=kind: cap_context(  # type: ignore[misc]
+                    synthetic(
+                        n_synthetic,
+                        rng=random.Random(seed),
+                        tool_duration=kind,
+                        arrival_rate_per_s=rate,
+                        median_output_tokens=50,
+                        max_tool_duration_s=600.0,
+                    ),
+                    MAX_CONTEXT_TOKENS,
+                ),
+            )
         )
     return out
 
@@ -547,12 +728,15 @@ class Row:
     rate: float
     capacity: float
     gpu_blocks: int
+    peak_blocks: int
     policy: str
+    floor_jct: float
     mean_jct: float
     p95_jct: float
     recomputed: int
     hit_rate: float
     swap_gb: float
+    transfer_s: float
     idle_gb_s: float
     forced: int
 
@@ -561,73 +745,138 @@ def run_one(trace: Trace, policy: str, gpu_blocks: int, cost: CostModel) -> Metr
     return Sim(trace, make_manager(policy), gpu_blocks, gpu_blocks, cost).run()
 
 
-def sweep(quick: bool, seed: int, policies: tuple[str, ...]) -> list[Row]:
+def floor_jct(trace: Trace, cost: CostModel) -> float:
+    """Mean job time with no queueing and a perfect cache: tool time plus ``service_s``."""
+    tools = sum(t.tool_duration_s or 0.0 for s in trace for t in s.turns)
+    return (tools / max(1, len(trace))) + service_s(trace, cost)
+
+
+def row(workload: str, load: float, rate: float, capacity: float, blocks: int, peak: int, policy: str,
+        m: Metrics, cost: CostModel, floor: float) -> Row:  # fmt: skip
+    return Row(
+        workload=workload,
+        load=load,
+        rate=rate,
+        capacity=capacity,
+        gpu_blocks=blocks,
+        peak_blocks=peak,
+        policy=policy,
+        floor_jct=floor,
+        mean_jct=sum(m.jct) / len(m.jct),
+        p95_jct=percentile(m.jct, 0.95),
+        recomputed=m.computed_tokens,
+        hit_rate=1 - m.computed_tokens / m.prompt_tokens if m.prompt_tokens else 0.0,
+        swap_gb=(m.swapped_in_blocks + m.swapped_out_blocks) * cost.block_bytes / _GB,
+        transfer_s=m.transfer_s,
+        idle_gb_s=m.idle_block_s * cost.block_bytes / _GB,
+        forced=m.forced,
+    )
+
+
+def sweep(
+    quick: bool, seed: int, policies: tuple[str, ...], loads: tuple[float, ...] = LOADS, only: str | None = None
+) -> list[Row]:
     cost = CostModel()
     rows: list[Row] = []
-    loads = (0.5, 0.8)
-    fractions = (0.25, 0.5, 0.75, 1.0)
-    for name, build in workloads(quick, seed).items():
-        per_session = service_s(build(1.0), cost)
+    for w in workloads(quick, seed):
+        if only is not None and w.name not in only.split(","):
+            continue
+        per_session = service_s(w.build(1.0), cost)
         for load in loads:
             rate = load / per_session
-            trace = build(rate)
+            trace = w.build(rate)
             total = sum(-(-s.final_context_tokens // cost.block_size) for s in trace) + 1
             probe = run_one(trace, "vllm", total, cost)
             peak = probe.peak_live_blocks
-            for fraction in fractions:
+            floor = floor_jct(trace, cost)
+            for fraction in CAPACITIES:
                 blocks = max(round(fraction * peak), probe.max_call_blocks + 1)
                 for policy in policies:
                     m = run_one(trace, policy, blocks, cost)
-                    rows.append(
-                        Row(
-                            workload=name,
-                            load=load,
-                            rate=rate,
-                            capacity=fraction,
-                            gpu_blocks=blocks,
-                            policy=policy,
-                            mean_jct=sum(m.jct) / len(m.jct),
-                            p95_jct=percentile(m.jct, 0.95),
-                            recomputed=m.computed_tokens,
-                            hit_rate=1 - m.computed_tokens / m.prompt_tokens if m.prompt_tokens else 0.0,
-                            swap_gb=(m.swapped_in_blocks + m.swapped_out_blocks) * cost.block_bytes / _GB,
-                            idle_gb_s=m.idle_block_s * cost.block_bytes / _GB,
-                            forced=m.forced,
-                        )
-                    )
+                    rows.append(row(w.name, load, rate, fraction, blocks, peak, policy, m, cost, floor))
+            print(f"  {w.name} load {load:g}: {len(trace)} sessions, peak {peak} blocks", file=sys.stderr)
     return rows
 
 
-def print_tables(rows: list[Row]) -> None:
+def print_tables(rows: list[Row], out: TextIO | None = None) -> None:
+    out = sys.stdout if out is None else out
     header = (
         f"{'load':>4} {'cap':>4} {'blocks':>6} {'policy':<13} {'meanJCT':>8} {'p95JCT':>8} "
-        f"{'recomp':>9} {'hit':>5} {'swapGB':>7} {'idleGBs':>8} {'forced':>6}"
+        f"{'recomp':>9} {'hit':>5} {'swapGB':>7} {'xfer_s':>7} {'idleGBs':>8} {'forced':>6}"
     )
     for workload in dict.fromkeys(r.workload for r in rows):
-        print(f"\n== {workload} ==")
-        print(header)
+        floor = next(r.floor_jct for r in rows if r.workload == workload)
+        print(f"\n== {workload} == (mean JCT without queueing or reloads at the first load: {floor:.2f} s)", file=out)
+        print(header, file=out)
         for r in (r for r in rows if r.workload == workload):
             print(
                 f"{r.load:>4.1f} {r.capacity:>4.0%} {r.gpu_blocks:>6} {r.policy:<13} {r.mean_jct:>8.2f} "
-                f"{r.p95_jct:>8.2f} {r.recomputed:>9} {r.hit_rate:>5.1%} {r.swap_gb:>7.2f} "
-                f"{r.idle_gb_s:>8.1f} {r.forced:>6}"
+                f"{r.p95_jct:>8.2f} {r.recomputed:>9} {r.hit_rate:>5.1%} {r.swap_gb:>7.2f} {r.transfer_s:>7.2f} "
+                f"{r.idle_gb_s:>8.1f} {r.forced:>6}",
+                file=out,
             )
-    print("\n== ours vs the best non-oracle baseline (mean JCT, s) ==")
-    groups: dict[tuple[str, float, float], dict[str, float]] = {}
+    print_goals(rows, out)
+
+
+def _groups(rows: list[Row]) -> dict[tuple[str, float, float], dict[str, Row]]:
+    groups: dict[tuple[str, float, float], dict[str, Row]] = {}
     for r in rows:
-        groups.setdefault((r.workload, r.load, r.capacity), {})[r.policy] = r.mean_jct
-    for (workload, load, capacity), jct in groups.items():
-        if "ours" not in jct:
+        groups.setdefault((r.workload, r.load, r.capacity), {})[r.policy] = r
+    return groups
+
+
+def print_goals(rows: list[Row], out: TextIO | None = None) -> None:
+    """Ours against the best non-oracle baseline per cell, and the issue's goals."""
+    out = sys.stdout if out is None else out
+    print("\n== ours vs the best non-oracle baseline (mean JCT, s); recomputed tokens vs the oracle ==", file=out)
+    wins = ties = losses = 0
+    recompute_ratios: list[float] = []
+    for (workload, load, capacity), cell in _groups(rows).items():
+        if "ours" not in cell:
             continue
-        others = {p: v for p, v in jct.items() if p not in ("ours", "oracle")}
-        best = min(others, key=lambda p: others[p]) if others else None
-        verdict = "n/a"
-        if best is not None:
-            gap = (jct["ours"] - others[best]) / others[best]
-            verdict = "tie (within 0.1%)" if abs(gap) <= 1e-3 else ("WINS" if gap < 0 else "loses")
-            verdict += f" {gap:+.2%}"
-        best_text = "" if best is None else f"best baseline {best} {others[best]:.2f}"
-        print(f"{workload:<20} load {load:.1f} cap {capacity:>4.0%}: ours {jct['ours']:.2f} {best_text} -> {verdict}")
+        ours = cell["ours"]
+        others = {p: r.mean_jct for p, r in cell.items() if p not in ("ours", "oracle")}
+        text = f"{workload:<18} load {load:.1f} cap {capacity:>4.0%}: ours {ours.mean_jct:8.2f}"
+        if others:
+            best = min(others, key=lambda p: (others[p], p))
+            speedup = others[best] / ours.mean_jct
+            if abs(speedup - 1) <= 1e-3:
+                verdict, ties = "tie", ties + 1
+            elif speedup > 1:
+                verdict, wins = "WINS", wins + 1
+            else:
+                verdict, losses = "loses", losses + 1
+            text += f"  best baseline {best:<12} {others[best]:8.2f}  {speedup:.3f}x {verdict}"
+        if "oracle" in cell and cell["oracle"].recomputed:
+            ratio = ours.recomputed / cell["oracle"].recomputed
+            recompute_ratios.append(ratio)
+            text += f"  recomp/oracle {ratio:.3f}"
+        print(text, file=out)
+    print("\n== goals ==", file=out)
+    print(
+        f"lowest mean JCT of the non-oracle policies: wins {wins}, ties (within 0.1%) {ties}, losses {losses} "
+        f"of {wins + ties + losses} cells",
+        file=out,
+    )
+    for (workload, load, capacity), cell in _groups(rows).items():
+        if workload == "infercept" and capacity == 0.5 and "ours" in cell:
+            others = {p: r.mean_jct for p, r in cell.items() if p not in ("ours", "oracle")}
+            if others:
+                best = min(others, key=lambda p: (others[p], p))
+                floor = cell["ours"].floor_jct
+                print(
+                    f"InferCept trace, 50% capacity, load {load:g}: best baseline ({best}) / ours = "
+                    f"{others[best] / cell['ours'].mean_jct:.3f}x (goal >= 1.15x); no policy can beat "
+                    f"{others[best] / floor:.3f}x (mean JCT without queueing or reloads: {floor:.2f} s)",
+                    file=out,
+                )
+    if recompute_ratios:
+        within = sum(1 for r in recompute_ratios if r <= 1.15)
+        print(
+            f"recomputed prefill vs the oracle: within 15% in {within} of {len(recompute_ratios)} cells; "
+            f"worst {max(recompute_ratios):.3f}x, median {percentile(recompute_ratios, 0.5):.3f}x",
+            file=out,
+        )
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
@@ -647,28 +896,38 @@ def write_png(rows: list[Row], path: Path) -> None:
     except ImportError:
         print(f"matplotlib is not installed: skipping the plot {path}", file=sys.stderr)
         return
-    keys = list(dict.fromkeys((r.workload, r.load) for r in rows))
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.5), squeeze=False)
-    for ax, (workload, load) in zip(axes[0], keys, strict=True):
-        for policy in dict.fromkeys(r.policy for r in rows):
-            pts = sorted(
-                (1 - r.capacity, r.mean_jct) for r in rows if (r.workload, r.load, r.policy) == (workload, load, policy)
-            )
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
-        ax.set_title(f"{workload}, load {load:g}")
-        ax.set_xlabel("memory pressure (1 - capacity / peak)")
-        ax.set_ylabel("mean JCT (s)")
+    names = list(dict.fromkeys(r.workload for r in rows))
+    loads = list(dict.fromkeys(r.load for r in rows))
+    fig, axes = plt.subplots(len(names), len(loads), figsize=(4.5 * len(loads), 3.2 * len(names)), squeeze=False)
+    for i, workload in enumerate(names):
+        for j, load in enumerate(loads):
+            ax = axes[i][j]
+            for policy in dict.fromkeys(r.policy for r in rows):
+                pts = sorted(
+                    (1 - r.capacity, r.mean_jct)
+                    for r in rows
+                    if (r.workload, r.load, r.policy) == (workload, load, policy)
+                )
+                style = "--" if policy == "oracle" else "-"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", markersize=3, label=policy)
+            ax.set_title(f"{workload}, load {load:g}", fontsize=9)
+            ax.set_xlabel("memory pressure (1 - capacity / peak)", fontsize=8)
+            ax.set_ylabel("mean JCT (s)", fontsize=8)
+            ax.tick_params(labelsize=7)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer sessions (under ~2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="fewer sessions (about 2 minutes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", type=Path, help="write every row to this CSV file")
     parser.add_argument("--png", type=Path, help="plot mean JCT vs memory pressure (needs matplotlib)")
+    parser.add_argument("--txt", type=Path, help="also write the tables to this file")
+    parser.add_argument("--workloads", help="comma-separated subset of the workloads (default: all)")
     parser.add_argument(
         "--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES)
     )
@@ -678,8 +937,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown policies {unknown}")
     started = time.perf_counter()
-    rows = sweep(args.quick, args.seed, policies)
+    rows = sweep(args.quick, args.seed, policies, only=args.workloads)
     print_tables(rows)
+    if args.txt:
+        with args.txt.open("w") as f:
+            print_tables(rows, f)
     if args.csv:
         write_csv(rows, args.csv)
     if args.png:

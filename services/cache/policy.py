@@ -1,22 +1,30 @@
 """The cache manager's policy: next-reference distance, survival score, decisions.
 
-Pure: no I/O, no clock; ``now`` and the measured delays are parameters.
+Pure: no I/O, no clock; ``now``, the measured delays and the engine's memory and
+queue are parameters. Every quantity below is computable from the log alone (no
+future knowledge): tool durations are learned online (``ToolLatencyModel``), the
+queueing and verdict delays are measured, memory and queue length come from the
+engine's KV events and call events.
 
 **Next-reference distance** ``D`` (seconds until the session's next LLM call):
 
 - in an LLM call: 0 (its blocks are in use; it is never a candidate);
 - idle (tool done, next call imminent): ``q`` (the measured queueing delay);
-- waiting on tool T: ``MRL_T(x) + q`` where ``x`` is how long T has run; before the
-  tool started (verdict pending) ``v + MRL_T(0) + q`` (``v``: measured verdict delay);
+- waiting on tool T: ``MRL_T(x) + q`` where ``x`` is how long T has run and
+  ``MRL_T`` the mean residual life of T's learned duration distribution (so a heavy
+  tail makes a long wait predict a longer one); before the tool started (verdict
+  pending) ``max(0, v - waited) + MRL_T(0) + q`` (``v``: measured verdict delay);
 - waiting on a human: ``max(human_min_s, MRL_T(x)) + q`` (long);
 - finished: infinite.
 
 **Return probability** ``p``: 0 when finished, ``human_return_probability`` when
 waiting on a human, else 1.
 
-**Reload cost** ``R`` (ms) of a session holding ``b`` GPU blocks: ``swap_ms(b)`` when
-the host tier has ``b`` free slots and swapping is cheaper than recomputing
-(``CostModel.recompute_vs_swap``), else ``recompute_ms(b * block_size)``.
+**Reload cost** ``R`` (ms) of a session holding ``b`` GPU blocks, the cost of not
+keeping it on GPU: the swap round trip ``2 * swap_ms(b)`` (the swap-out now plus the
+swap-in on return; both occupy the engine) when the host tier has ``b`` free slots
+and the round trip is cheaper than recomputing (``can_swap``), else
+``recompute_ms(b * block_size)``.
 
 **Survival score**, expected benefit per byte-second of GPU memory (ms per GB-s)::
 
@@ -24,23 +32,52 @@ the host tier has ``b`` free slots and swapping is cheaper than recomputing
 
 0 when finished or ``D`` is infinite.
 
-**Decision** (``decide``): candidates are sessions not in an LLM call holding GPU
-blocks, taken in ascending (score, session id) order (lowest first; ties by id).
-``deficit = max(0, needed_blocks - gpu_free_blocks)``; for each candidate in order:
+**Host score** of a session whose context is (or would be) on the host tier, ``h``
+blocks there: the benefit per byte-second of host memory of keeping it there rather
+than recomputing it, ``p * (recompute_ms(h * block_size) - swap_ms(h)) / ((h *
+block_bytes / 1e9) * max(D, min_distance_s))``.
+
+**Decision** (``decide``). Views in an LLM call are skipped. *GPU candidates* are
+the other views holding GPU blocks, plus finished views holding host blocks only;
+*host residents* are unfinished views with no GPU blocks and some host blocks.
+``deficit = max(0, needed_blocks - gpu_free_blocks)``; ``pressure = 1 -
+gpu_free_blocks / gpu_total_blocks`` and ``horizon = max_horizon_s * (1 - pressure)``
+(what is worth pinning shrinks as memory fills). GPU candidates are taken in
+ascending (score, session id) order (lowest first; ties by id); for each:
 
 1. finished: DISCARD (nothing will reuse its private blocks; shared ones stay);
-2. while ``deficit > 0``: SWAP if the host tier has room for its blocks and swap-in is
-   cheaper than recompute, else RELEASE it to the engine's LRU (unpinned, its blocks
-   are freed tail first and only as many as the engine needs: a lazy discard that keeps
-   the prefix it does not need); the deficit drops by the blocks it frees;
-3. else, if ``D > horizon`` with ``horizon = max_horizon_s * (1 - pressure)``: SWAP
-   when the host has room and swap-in is cheaper (proactive offload), else RELEASE
-   (its blocks go back to the LRU, cached but evictable);
-4. else PRESERVE with ``ttl = clamp(ttl_factor * D, min_ttl_s, max_ttl_s)``, re-scored
-   at the next decision.
+2. while ``deficit > 0``: RELEASE it to the engine's LRU (unpinned: its blocks are
+   freed tail first and only as many as the engine needs, a lazy discard that keeps
+   the prefix) when there is no ``host room`` (below) or when only ``k = min(deficit,
+   reclaimable)`` of its ``b`` blocks are needed (``k < b``) and recomputing that tail,
+   ``p * recompute_ms(k * block_size, (b - k) * block_size)``, is cheaper than the
+   swap round trip of all ``b`` blocks, ``2 * swap_ms(b)``; else SWAP. The deficit
+   drops by the blocks it frees (``reclaimable``);
+3. else, if ``D > horizon``: SWAP when ``host room`` and no call waits
+   (``queued_calls == 0``: the transfer then costs no one any time); PRESERVE with
+   ``ttl = min_ttl_s`` when swapping pays (``swap_pays``) but calls wait (the
+   offload is deferred to an idle moment instead of delaying the queue; re-scored
+   at the TTL); else PRESERVE as in rule 4 (no host room: it stays pinned, so that a
+   deficit evicts it in score order rather than the LRU in recency order);
+4. else PRESERVE with ``ttl = clamp(ttl_factor * D, min_ttl_s, max_ttl_s)``,
+   re-scored when it ends.
 
-``pressure = 1 - gpu_free_blocks / gpu_total_blocks`` is measured before deciding, so
-the horizon (what is worth pinning) shrinks as memory fills.
+``host room`` for a candidate of ``b`` blocks: ``can_swap(b, host_free)``; failing
+that, when swapping is cheaper than recomputing and the host residents whose host
+score is lower than the candidate's (taken in ascending (host score, session id)
+order) hold enough blocks to make room, those residents are DISCARDed first
+(decisions emitted before the candidate's SWAP, in that order): Belady on the host
+tier, weighted by size, so a context that returns soon displaces one that returns
+late instead of being recomputed. Each resident is discarded at most once.
+
+Cost: one sort of the GPU candidates and one of the host residents per call
+(``O(n log n)``); the rest is linear.
+
+**One session** (``decide_session``): what ``decide`` would decide for that view
+alone when nothing is needed (``needed_blocks`` is ignored, no resident is
+discarded): rules 1, 3 and 4 with the memory given; None when the view is not a GPU
+candidate. ``decide_session(v, ...) == (decide([v], ...) or [None])[0]`` whenever
+``needed_blocks <= gpu_free_blocks``. It is O(1), for per-event managers.
 """
 
 from __future__ import annotations
@@ -62,12 +99,13 @@ _BYTES_PER_GB = 1e9
 
 @dataclass(frozen=True, slots=True)
 class MemoryState:
-    """The engine's memory as measured now.
+    """The engine's memory and queue as measured now.
 
     ``gpu_free_blocks``: free or evictable GPU blocks; ``needed_blocks``: what the
     engine needs free now (0 when nothing waits). ``reclaimable``: per session, the
     GPU blocks that evicting it would free (its pinned blocks); None means all of a
-    session's ``gpu_blocks``.
+    session's ``gpu_blocks``. ``queued_calls``: LLM calls waiting for the engine (an
+    offload's transfer would delay them).
     """
 
     gpu_total_blocks: int
@@ -75,6 +113,7 @@ class MemoryState:
     host_free_blocks: int = 0
     needed_blocks: int = 0
     reclaimable: Mapping[SessionId, int] | None = None
+    queued_calls: int = 0
 
     @property
     def pressure(self) -> float:
@@ -128,12 +167,24 @@ class CacheDecision:
 
 
 @dataclass(slots=True)
+class _Resident:
+    """A host resident considered for eviction from the host tier."""
+
+    host_score: float
+    session_id: SessionId
+    view: SessionView
+    evicted: bool = False
+
+
+@dataclass(slots=True)
 class CachePolicy:
     """Scores sessions and decides (see the module docstring for the formulas)."""
 
     cost: CostModel = field(default_factory=CostModel)
     latency: ToolLatencyModel = field(default_factory=ToolLatencyModel)
     config: PolicyConfig = field(default_factory=PolicyConfig)
+
+    # -------------------------------------------------------------- estimates
 
     def next_reference_s(self, view: SessionView, now: float, delays: Delays = Delays()) -> float:
         c = self.config
@@ -158,12 +209,22 @@ class CachePolicy:
             return self.config.human_return_probability
         return 1.0
 
+    def swap_round_trip_ms(self, num_blocks: int) -> float:
+        """Swapping ``num_blocks`` out now and back in on return."""
+        return 2.0 * self.cost.swap_ms(num_blocks)
+
+    def swap_pays(self, num_blocks: int) -> bool:
+        """The swap round trip is cheaper than recomputing the blocks."""
+        return num_blocks > 0 and self.swap_round_trip_ms(num_blocks) < self.cost.recompute_ms(
+            num_blocks * self.cost.block_size
+        )
+
     def can_swap(self, num_blocks: int, host_free_blocks: int) -> bool:
-        return 0 < num_blocks <= host_free_blocks and self.cost.recompute_vs_swap(num_blocks) == "swap"
+        return 0 < num_blocks <= host_free_blocks and self.swap_pays(num_blocks)
 
     def reload_ms(self, num_blocks: int, host_free_blocks: int) -> float:
         if self.can_swap(num_blocks, host_free_blocks):
-            return self.cost.swap_ms(num_blocks)
+            return self.swap_round_trip_ms(num_blocks)
         return self.cost.recompute_ms(num_blocks * self.cost.block_size)
 
     def score(self, view: SessionView, now: float, host_free_blocks: int, delays: Delays = Delays()) -> float:
@@ -178,45 +239,154 @@ class CachePolicy:
             / (gigabytes * max(distance, self.config.min_distance_s))
         )
 
+    def host_score(self, view: SessionView, num_blocks: int, now: float, delays: Delays = Delays()) -> float:
+        """Benefit per byte-second of host memory of keeping ``num_blocks`` of the view on the host."""
+        distance = self.next_reference_s(view, now, delays)
+        p = self.return_probability(view)
+        if p == 0.0 or math.isinf(distance) or num_blocks <= 0:
+            return 0.0
+        saved = self.cost.recompute_ms(num_blocks * self.cost.block_size) - self.cost.swap_ms(num_blocks)
+        gigabytes = num_blocks * self.cost.block_bytes / _BYTES_PER_GB
+        return p * saved / (gigabytes * max(distance, self.config.min_distance_s))
+
+    # -------------------------------------------------------------- decisions
+
+    def decide_session(
+        self, view: SessionView, now: float, memory: MemoryState, delays: Delays = Delays()
+    ) -> CacheDecision | None:
+        """The decision ``decide([view])`` makes when nothing is needed (see the module docstring)."""
+        if not _is_gpu_candidate(view):
+            return None
+        score = self.score(view, now, memory.host_free_blocks, delays)
+        made, _ = self._no_deficit(view, score, now, memory, memory.host_free_blocks, delays, ())
+        return made[0]
+
     def decide(
         self, views: Iterable[SessionView], now: float, memory: MemoryState, delays: Delays = Delays()
     ) -> list[CacheDecision]:
-        """Decisions for every candidate, lowest score first (see the module docstring)."""
-        c = self.config
+        """Decisions for every GPU candidate, lowest score first (see the module docstring)."""
         host_free = memory.host_free_blocks
-        scored = sorted(
-            (self.score(v, now, host_free, delays), v.session_id, v)
-            for v in views
-            if v.phase is not Phase.LLM and v.gpu_blocks > 0
+        views = list(views)
+        scored = sorted((self.score(v, now, host_free, delays), v.session_id, v) for v in views if _is_gpu_candidate(v))
+        residents = sorted(
+            (
+                _Resident(self.host_score(v, v.host_blocks, now, delays), v.session_id, v)
+                for v in views
+                if _is_host_resident(v)
+            ),
+            key=lambda r: (r.host_score, r.session_id),
         )
         deficit = max(0, memory.needed_blocks - memory.gpu_free_blocks)
-        horizon = c.max_horizon_s * (1.0 - memory.pressure)
         decisions: list[CacheDecision] = []
         for score, sid, view in scored:
-            distance = self.next_reference_s(view, now, delays)
-            blocks = view.gpu_blocks
-            freed = blocks if memory.reclaimable is None else memory.reclaimable.get(sid, 0)
-            if view.phase is Phase.FINISHED:
-                decisions.append(CacheDecision(sid, CacheAction.DISCARD, score, distance, blocks, reason="finished"))
-                deficit -= freed
-            elif deficit > 0:
-                if self.can_swap(blocks, host_free):
-                    host_free -= blocks
-                    action, reason = CacheAction.SWAP, "memory pressure: swap-in is cheaper than recompute"
+            freed = view.gpu_blocks if memory.reclaimable is None else memory.reclaimable.get(sid, 0)
+            if view.phase is not Phase.FINISHED and deficit > 0:
+                distance = self.next_reference_s(view, now, delays)
+                room = self._host_room(view, now, host_free, delays, residents)
+                if room is not None and self._tail_cheaper(view, min(deficit, freed)):
+                    room = None
+                if room is not None:
+                    decisions.extend(room)
+                    host_free += sum(d.num_blocks for d in room) - view.gpu_blocks
+                    action, reason = CacheAction.SWAP, "memory pressure: swap round trip cheaper than recompute"
                 else:
                     action, reason = CacheAction.RELEASE, "memory pressure: no host room or recompute is cheaper"
-                decisions.append(CacheDecision(sid, action, score, distance, blocks, reason=reason))
+                decisions.append(CacheDecision(sid, action, score, distance, view.gpu_blocks, reason=reason))
                 deficit -= freed
-            elif distance > horizon:
-                reason = f"next reference {distance:.3g}s beyond horizon {horizon:.3g}s"
-                action = CacheAction.RELEASE
-                if self.can_swap(blocks, host_free):
-                    host_free -= blocks
-                    action = CacheAction.SWAP
-                decisions.append(CacheDecision(sid, action, score, distance, blocks, reason=reason))
-            else:
-                ttl = min(c.max_ttl_s, max(c.min_ttl_s, c.ttl_factor * distance))
-                decisions.append(
-                    CacheDecision(sid, CacheAction.PRESERVE, score, distance, blocks, ttl_s=ttl, reason="worth keeping")
-                )
+                continue
+            made, host_free = self._no_deficit(view, score, now, memory, host_free, delays, residents)
+            decisions.extend(made)
+            if view.phase is Phase.FINISHED:
+                deficit -= freed
         return decisions
+
+    def _no_deficit(
+        self,
+        view: SessionView,
+        score: float,
+        now: float,
+        memory: MemoryState,
+        host_free: int,
+        delays: Delays,
+        residents: Iterable[_Resident],
+    ) -> tuple[list[CacheDecision], int]:
+        """Rules 1, 3 and 4 for one GPU candidate: its decisions (host evictions first) and the host room left."""
+        c = self.config
+        sid, blocks = view.session_id, view.gpu_blocks
+        distance = self.next_reference_s(view, now, delays)
+        if view.phase is Phase.FINISHED:
+            return [CacheDecision(sid, CacheAction.DISCARD, score, distance, blocks, reason="finished")], host_free
+        horizon = c.max_horizon_s * (1.0 - memory.pressure)
+        if distance <= horizon:
+            ttl = min(c.max_ttl_s, max(c.min_ttl_s, c.ttl_factor * distance))
+            return [
+                CacheDecision(sid, CacheAction.PRESERVE, score, distance, blocks, ttl_s=ttl, reason="worth keeping")
+            ], host_free
+        beyond = f"next reference {distance:.3g}s beyond horizon {horizon:.3g}s"
+        if memory.queued_calls > 0 and self.swap_pays(blocks):
+            reason = f"{beyond}; offload deferred: {memory.queued_calls} calls wait"
+            return [
+                CacheDecision(sid, CacheAction.PRESERVE, score, distance, blocks, ttl_s=c.min_ttl_s, reason=reason)
+            ], host_free
+        room = self._host_room(view, now, host_free, delays, residents)
+        if room is None:
+            ttl = min(c.max_ttl_s, max(c.min_ttl_s, c.ttl_factor * distance))
+            reason = f"{beyond}; no host room: kept until needed"
+            return [
+                CacheDecision(sid, CacheAction.PRESERVE, score, distance, blocks, ttl_s=ttl, reason=reason)
+            ], host_free
+        host_free += sum(d.num_blocks for d in room) - blocks
+        return [*room, CacheDecision(sid, CacheAction.SWAP, score, distance, blocks, reason=beyond)], host_free
+
+    def _tail_cheaper(self, view: SessionView, needed: int) -> bool:
+        """Releasing costs the recompute of the ``needed`` tail blocks the engine will evict (after the
+        kept prefix); swapping costs the round trip of all the view's blocks."""
+        b, bs = view.gpu_blocks, self.cost.block_size
+        if needed >= b:
+            return False
+        tail = self.return_probability(view) * self.cost.recompute_ms(needed * bs, (b - needed) * bs)
+        return tail < self.swap_round_trip_ms(b)
+
+    def _host_room(
+        self, view: SessionView, now: float, host_free: int, delays: Delays, residents: Iterable[_Resident]
+    ) -> list[CacheDecision] | None:
+        """None when the view cannot be swapped out; else the host residents to discard first (maybe none)."""
+        blocks = view.gpu_blocks
+        if self.can_swap(blocks, host_free):
+            return []
+        if not self.swap_pays(blocks):
+            return None
+        mine = self.host_score(view, blocks, now, delays)
+        chosen: list[_Resident] = []
+        room = host_free
+        for resident in residents:
+            if room >= blocks or resident.host_score >= mine:
+                break
+            if resident.evicted:
+                continue
+            chosen.append(resident)
+            room += resident.view.host_blocks
+        if room < blocks:
+            return None
+        out: list[CacheDecision] = []
+        for resident in chosen:
+            resident.evicted = True
+            r = resident.view
+            distance = self.next_reference_s(r, now, delays)
+            reason = f"host room for {view.session_id} (host score {resident.host_score:.3g} < {mine:.3g})"
+            out.append(
+                CacheDecision(
+                    r.session_id, CacheAction.DISCARD, resident.host_score, distance, r.host_blocks, reason=reason
+                )
+            )
+        return out
+
+
+def _is_gpu_candidate(view: SessionView) -> bool:
+    if view.phase is Phase.LLM:
+        return False
+    return view.gpu_blocks > 0 or (view.phase is Phase.FINISHED and view.host_blocks > 0)
+
+
+def _is_host_resident(view: SessionView) -> bool:
+    return view.phase not in (Phase.LLM, Phase.FINISHED) and view.gpu_blocks <= 0 and view.host_blocks > 0

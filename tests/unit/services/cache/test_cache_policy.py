@@ -129,7 +129,8 @@ def test_score_is_benefit_per_byte_second() -> None:
     a, b, c, _, _ = _views()
     gb = 10 * p.cost.block_bytes / 1e9
     assert p.score(a, 1.0, 0) == pytest.approx(p.cost.recompute_ms(160) / (gb * 5.0))
-    assert p.score(a, 1.0, 100) == pytest.approx(p.cost.swap_ms(10) / (gb * 5.0))
+    # With host room the cost of not keeping it is the swap round trip (out now, in on return).
+    assert p.score(a, 1.0, 100) == pytest.approx(2 * p.cost.swap_ms(10) / (gb * 5.0))
     assert p.score(b, 1.0, 0) == pytest.approx(0.9 * p.cost.recompute_ms(160) / (gb * 60.0))
     assert p.score(c, 1.0, 0) == 0.0
 
@@ -170,16 +171,18 @@ def test_decide_without_deficit_adapts_the_horizon_to_pressure() -> None:
         ("e", CacheAction.PRESERVE, 1.0),
     ]
     high = MemoryState(gpu_total_blocks=100, gpu_free_blocks=30)  # horizon 30 s
-    got = [(d.session_id, d.action) for d in p.decide(_views(), 1.0, high)]
-    assert got == [
-        ("c", CacheAction.DISCARD),
-        ("b", CacheAction.RELEASE),
-        ("a", CacheAction.PRESERVE),
-        ("e", CacheAction.PRESERVE),
+    kept = [(d.session_id, d.action, d.ttl_s) for d in p.decide(_views(), 1.0, high)]
+    # b is beyond the horizon but the host has no room: it stays pinned (a deficit evicts in score
+    # order, the LRU would not).
+    assert kept == [
+        ("c", CacheAction.DISCARD, None),
+        ("b", CacheAction.PRESERVE, 120.0),
+        ("a", CacheAction.PRESERVE, 10.0),
+        ("e", CacheAction.PRESERVE, 1.0),
     ]
     offload = MemoryState(gpu_total_blocks=100, gpu_free_blocks=30, host_free_blocks=10)  # room for b on the host
-    got = [(d.session_id, d.action) for d in p.decide(_views(), 1.0, offload)]
-    assert got == [
+    offloaded = [(d.session_id, d.action) for d in p.decide(_views(), 1.0, offload)]
+    assert offloaded == [
         ("c", CacheAction.DISCARD),
         ("b", CacheAction.SWAP),
         ("a", CacheAction.PRESERVE),
@@ -207,3 +210,82 @@ def test_decision_event() -> None:
     assert finished.action is CacheAction.DISCARD and finished.next_reference_ms is None
     kept = decisions[-1].to_event("e0")
     assert kept.ttl_ms == 1000 and kept.num_blocks == 2
+
+
+def _memories() -> list[MemoryState]:
+    return [
+        MemoryState(gpu_total_blocks=100, gpu_free_blocks=90),
+        MemoryState(gpu_total_blocks=100, gpu_free_blocks=30),
+        MemoryState(gpu_total_blocks=100, gpu_free_blocks=30, host_free_blocks=10),
+        MemoryState(gpu_total_blocks=100, gpu_free_blocks=30, host_free_blocks=10, queued_calls=3),
+        MemoryState(gpu_total_blocks=100, gpu_free_blocks=5, host_free_blocks=50, needed_blocks=5),
+    ]
+
+
+def test_decide_session_is_decide_of_one_view_without_deficit() -> None:
+    p = CachePolicy(latency=ToolLatencyModel(prior_mean_s=5.0), config=PolicyConfig(max_horizon_s=100.0))
+    views = [
+        *_views(),
+        SessionView(S("h"), Phase.FINISHED, host_blocks=6),  # finished, only on the host: discarded
+        SessionView(S("r"), Phase.TOOL, tool="search", tool_started_at=0.0, host_blocks=6),  # a host resident
+    ]
+    for memory in _memories():
+        for v in views:
+            decided = p.decide([v], 1.0, memory)
+            assert p.decide_session(v, 1.0, memory) == (decided[0] if decided else None)
+    low = _memories()[0]
+    assert p.decide_session(views[3], 1.0, low) is None  # in an LLM call
+    assert p.decide_session(views[6], 1.0, low) is None  # nothing on GPU to decide about
+    finished = p.decide_session(views[5], 1.0, low)
+    assert finished is not None and finished.action is CacheAction.DISCARD
+
+
+def test_offloads_wait_while_calls_are_queued() -> None:
+    p = CachePolicy(latency=ToolLatencyModel(prior_mean_s=5.0), config=PolicyConfig(max_horizon_s=100.0))
+    _, b, _, _, _ = _views()  # the human: 60 s away, beyond the 30 s horizon
+    idle = MemoryState(gpu_total_blocks=100, gpu_free_blocks=30, host_free_blocks=10)
+    busy = MemoryState(gpu_total_blocks=100, gpu_free_blocks=30, host_free_blocks=10, queued_calls=2)
+    now = p.decide_session(b, 1.0, idle)
+    assert now is not None and (now.action, now.ttl_s) == (CacheAction.SWAP, None)
+    later = p.decide_session(b, 1.0, busy)
+    assert later is not None and (later.action, later.ttl_s) == (CacheAction.PRESERVE, 1.0)
+    assert "deferred: 2 calls wait" in later.reason
+    # With the engine idle but no host room: kept pinned until needed, re-scored at its usual TTL.
+    full = MemoryState(gpu_total_blocks=100, gpu_free_blocks=30, host_free_blocks=0)
+    kept = p.decide_session(b, 1.0, full)
+    assert kept is not None and (kept.action, kept.ttl_s) == (CacheAction.PRESERVE, 120.0)
+    assert "no host room" in kept.reason
+
+
+def _resident(name: str, phase: Phase, host_blocks: int) -> SessionView:
+    tool = "human" if phase is Phase.HUMAN else "search"
+    return SessionView(S(name), phase, tool=tool, tool_started_at=0.0, host_blocks=host_blocks)
+
+
+def test_a_near_return_displaces_far_host_residents() -> None:
+    p = _policy()
+    x = SessionView(S("x"), Phase.TOOL, tool="search", tool_started_at=0.0, gpu_blocks=10)  # back in ~5 s
+    far = _resident("far", Phase.HUMAN, 4)  # >= 60 s away: lowest host score
+    farther = _resident("farther", Phase.HUMAN, 4)  # same score: ties by id, "far" first
+    soon = SessionView(S("soon"), Phase.IDLE, host_blocks=8)  # its call is next: highest host score
+    memory = MemoryState(gpu_total_blocks=100, gpu_free_blocks=0, host_free_blocks=3, needed_blocks=10)
+    got = [(d.session_id, d.action, d.num_blocks) for d in p.decide([soon, farther, x, far], 1.0, memory)]
+    assert got == [
+        ("far", CacheAction.DISCARD, 4),
+        ("farther", CacheAction.DISCARD, 4),  # 3 + 4 + 4 = 11 >= 10: room for x
+        ("x", CacheAction.SWAP, 10),
+    ]
+    # When only residents that return sooner than x could make room, x is released instead.
+    alone = [(d.session_id, d.action) for d in p.decide([soon, x], 1.0, memory)]
+    assert alone == [("x", CacheAction.RELEASE)]
+
+
+def test_under_deficit_a_cheap_tail_is_released_instead_of_swapping_everything() -> None:
+    p = _policy()
+    big = SessionView(S("big"), Phase.TOOL, tool="search", tool_started_at=0.0, gpu_blocks=100)
+    # 2 blocks needed: recomputing the 2 tail blocks (about 3.4 ms) beats the swap round trip of
+    # all 100 (about 21 ms).
+    small = MemoryState(gpu_total_blocks=200, gpu_free_blocks=0, host_free_blocks=500, needed_blocks=2)
+    assert [(d.session_id, d.action) for d in p.decide([big], 1.0, small)] == [("big", CacheAction.RELEASE)]
+    large = MemoryState(gpu_total_blocks=200, gpu_free_blocks=0, host_free_blocks=500, needed_blocks=100)
+    assert [(d.session_id, d.action) for d in p.decide([big], 1.0, large)] == [("big", CacheAction.SWAP)]
