@@ -228,6 +228,8 @@ def merge(
         async with open_log(log_url, actor="operator") as log:
             await _state(log, parent)
             for branch in branches:
+                if branch == parent:
+                    raise typer.BadParameter(f"{parent} cannot be merged into itself")
                 if not await log.history(branch):
                     raise typer.BadParameter(f"no branch session {branch!r} in the log")
             request = str(uuid.uuid4())

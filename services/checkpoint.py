@@ -196,16 +196,21 @@ def _step_from(data: dict[str, Any]) -> Step:
 
 
 def state_to_json(state: SessionState) -> dict[str, Any]:
-    """Everything in a folded session, as JSON (a snapshot); ``state_from_json`` is its inverse."""
+    """Everything in a folded session, as JSON (a snapshot); ``state_from_json`` is its inverse.
+
+    Calls are listed by call id (a fork's inherited calls may be added before or after its
+    own: the order of a dict is not part of the state); checkpoints keep their log order,
+    which a restore depends on.
+    """
     return {
         "session_id": state.session_id,
         "status": state.status.value if state.status else None,
         "program": state.program,
         "args": state.args,
         "parent_session_id": state.parent_session_id,
-        "llm_calls": [_step_json(c) for c in state.llm_calls.values()],
-        "tool_calls": [_step_json(c) for c in state.tool_calls.values()],
-        "planner_steps": [_step_json(c) for c in state.planner_steps.values()],
+        "llm_calls": [_step_json(state.llm_calls[c]) for c in sorted(state.llm_calls)],
+        "tool_calls": [_step_json(state.tool_calls[c]) for c in sorted(state.tool_calls)],
+        "planner_steps": [_step_json(state.planner_steps[c]) for c in sorted(state.planner_steps)],
         "output_json": state.output_json,
         "failure": state.failure,
         "cancel_requested": state.cancel_requested,
@@ -222,7 +227,7 @@ def state_to_json(state: SessionState) -> dict[str, Any]:
             {"taken": _body(c.taken), "step_bound": c.step_bound, "generation": c.generation, "abandoned": c.abandoned}
             for c in state.checkpoints.values()
         ],
-        "abandoned": [_step_json(s) for s in state.abandoned.values()],
+        "abandoned": [_step_json(state.abandoned[c]) for c in sorted(state.abandoned)],
         "restores": [_body(r) for r in state.restores],
         "refusals": [_body(r) for r in state.refusals],
         "merges": [_body(m) for m in state.merges],
@@ -409,11 +414,17 @@ class MergePlan:
         return bool(self.conflicts)
 
 
-def merge_plan(branches: Mapping[str, SessionState]) -> MergePlan:
-    """Conflicts between branches, or the branches still running, or each branch's result."""
+def merge_plan(branches: Mapping[str, SessionState], parent: str | None = None) -> MergePlan:
+    """Conflicts between branches, or the branches still running, or each branch's result.
+
+    A session merged into itself is a conflict too (it would wait for its own end forever).
+    """
     conflicts: list[str] = []
     touched: dict[str, list[tuple[str, str]]] = {}
     for branch_id, branch in branches.items():
+        if branch_id == parent:
+            conflicts.append(f"{branch_id} cannot be merged into itself")
+            continue
         if branch.status is None:
             conflicts.append(f"branch {branch_id} does not exist")
             continue

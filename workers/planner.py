@@ -379,7 +379,7 @@ class PlannerWorker(SessionWorker):
     async def _merge(self, state: SessionState, branch_ids: tuple[str, ...], *, cause: str | None, key: str) -> bool:
         sid = state.session_id
         branches = {b: fold_events(b, _cut_events(await self.log.history(b))) for b in branch_ids}
-        plan = merge_plan(branches)
+        plan = merge_plan(branches, sid)
         if not plan.conflicted and plan.waiting_for:
             for branch in plan.waiting_for:
                 self._waiting_on.setdefault(branch, set()).add(sid)

@@ -1,0 +1,337 @@
+"""A pure, in-memory world for branch tests: a log with positions, and the roles as plain functions.
+
+The planner part makes the same moves as ``workers/planner.py`` (``next_move``
+and the rules of ``services/checkpoint.py``) with the same deterministic event
+ids; the decider commits every proposal; the executor runs committed calls
+against a ledger that counts executions, and can crash after ``Started`` (before
+or after the effect); recovery then retries retry-safe tools and makes the
+others in doubt, and the operator resolves an in-doubt call by looking at the
+ledger, as a person would. Folding is ``services.session``; nothing here
+knows about Kafka or Postgres.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from schemas import events as ev
+from schemas.envelope import Envelope
+from services.checkpoint import (
+    CutEvent,
+    after_cut,
+    before_cut,
+    cut_of,
+    effects_of,
+    fold_events,
+    merge_plan,
+    state_digest,
+    state_from_json,
+    state_to_json,
+)
+from services.planning import (
+    ApplyRestore,
+    CallEngine,
+    FailSession,
+    FinishSession,
+    Idle,
+    MergeBranches,
+    NeedBase,
+    ProposeCompensations,
+    ProposeTool,
+    RefuseRestore,
+    StartBranches,
+    StartSession,
+    TakeCheckpoint,
+    WaitFor,
+    next_move,
+)
+from services.programs import PROGRAMS
+from services.session import SessionState, ToolStatus
+from services.tools import TOOLS, idempotency_key
+from workers.runtime import event_id
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+TOPICS = ("agent.actions", "agent.verdicts", "agent.effects", "ops.commands")
+_TOPIC_OF = {
+    "planner": "agent.actions",
+    "decider": "agent.verdicts",
+    "executor": "agent.effects",
+    "operator": "ops.commands",
+}
+
+
+@dataclass
+class World:
+    events: dict[str, list[CutEvent]] = field(default_factory=dict)
+    offsets: Counter[str] = field(default_factory=Counter)
+    seqs: Counter[tuple[str, str]] = field(default_factory=Counter)
+    ids: set[str] = field(default_factory=set)
+    ticks: itertools.count[int] = field(default_factory=itertools.count)
+    executions: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """(session, call id) -> how many times the tool's effect ran."""
+    snapshots: dict[tuple[str, str], tuple[dict[str, int], dict[str, Any]]] = field(default_factory=dict)
+    checkpoint_every: int = 0
+
+    # ------------------------------------------------------------------ log
+
+    def append(
+        self, session: str, body: ev.Event, actor: str, *, eid: str | None = None, cause: str | None = None
+    ) -> bool:
+        eid = eid or f"op-{next(self.ticks)}"
+        if eid in self.ids:
+            return False  # the log's idempotent append: the same event id lands once
+        self.ids.add(eid)
+        topic = _TOPIC_OF[actor]
+        envelope = Envelope(
+            event_id=eid,
+            session_id=session,
+            seq=self.seqs[(topic, session)],
+            actor=actor,
+            occurred_at=T0 + timedelta(milliseconds=next(self.ticks)),
+            causation_id=cause,
+            prev_hash=bytes(32),
+            body=body,
+            hash=bytes(32),
+        )
+        self.seqs[(topic, session)] += 1
+        self.events.setdefault(session, []).append(CutEvent(topic, self.offsets[topic], envelope))
+        self.offsets[topic] += 1
+        return True
+
+    def planner_append(self, session: str, body: ev.Event, kind: str, key: str = "", cause: str | None = None) -> bool:
+        return self.append(session, body, "planner", eid=event_id(session, kind, key), cause=cause)
+
+    def own_state(self, session: str) -> SessionState:
+        """What the decider and the executor fold: the session's own events only."""
+        return fold_events(session, self.events.get(session, []))
+
+    def state(self, session: str) -> SessionState:
+        """What the planner folds: a fork gets its parent's history up to the cut."""
+        state = self.own_state(session)
+        if state.fork is not None:
+            state.inherit(self.state_at(state.fork.parent_session_id, state.fork.cut))
+        return state
+
+    def state_at(self, session: str, cut: dict[str, int]) -> SessionState:
+        state = fold_events(session, before_cut(self.events.get(session, []), cut))
+        if state.fork is not None:
+            state.inherit(self.state_at(state.fork.parent_session_id, state.fork.cut))
+        return state
+
+    def replay_from_snapshot(self, session: str, checkpoint_id: str) -> SessionState:
+        cut, data = self.snapshots[(session, checkpoint_id)]
+        state = fold_events(session, after_cut(self.events[session], cut), state_from_json(data))
+        if state.fork is not None and not state.inherited:
+            state.inherit(self.state_at(state.fork.parent_session_id, state.fork.cut))
+        return state
+
+    # ------------------------------------------------------------ operator
+
+    def request(self, session: str, steps: list[dict[str, Any]]) -> None:
+        args = json.dumps({"steps": steps})
+        self.append(session, ev.SessionRequested(program="script", args_json=args, author="t"), "operator")
+
+    def operator(self, session: str, body: ev.Event) -> None:
+        self.append(session, body, "operator")
+
+    # ------------------------------------------------------------- planner
+
+    def planner(self, session: str, *, crash_in_llm: bool = False) -> bool:
+        """One planner move; False when it only waits."""
+        state = self.state(session)
+        forked = self._fork_requests(state)
+        move = next_move(state, PROGRAMS.get(state.program), checkpoint_every=self.checkpoint_every)
+        end = f"r{state.generation}" if state.generation else ""
+        body: ev.Event
+        match move:
+            case Idle() | WaitFor() | NeedBase():
+                return forked
+            case StartSession():
+                self.planner_append(session, ev.SessionStarted(program=move.program, args_json=move.args_json), "start")
+            case CallEngine():
+                started = ev.LLMCallStarted(
+                    call_id=move.call_id,
+                    turn=move.turn,
+                    engine_id="sim",
+                    prompt_tokens=move.prompt.num_tokens,
+                    max_output_tokens=move.max_output_tokens,
+                    prompt_digest=move.prompt_digest,
+                )
+                self.planner_append(session, started, "llm-started", move.call_id)
+                if crash_in_llm:
+                    return True
+                done = ev.LLMCallCompleted(
+                    call_id=move.call_id, engine_id="sim", prompt_tokens=move.prompt.num_tokens, cached_tokens=0,
+                    output_tokens=move.max_output_tokens, output_text="ok", finish_reason="length", queue_ms=0,
+                    prefill_ms=0, decode_ms=0,
+                )  # fmt: skip
+                self.planner_append(session, done, "llm-completed", move.call_id)
+            case ProposeTool():
+                body = ev.ToolCallProposed(
+                    call_id=move.call_id, tool=move.tool, arguments_json=move.arguments_json,
+                    effect_class=move.effect_class, idempotency_key=move.idempotency_key,
+                    compensation_tool=move.compensation_tool, resource=move.resource,
+                )  # fmt: skip
+                self.planner_append(session, body, "proposed", move.call_id)
+            case FinishSession():
+                body = ev.SessionFinished(output_json=move.output_json, num_llm_calls=0, num_tool_calls=0)
+                self.planner_append(session, body, "end", end)
+            case FailSession():
+                self.planner_append(
+                    session, ev.SessionFailed(reason=move.reason, error_type=move.error_type), "end", end
+                )
+            case TakeCheckpoint():
+                self.take_checkpoint(state, move)
+            case ProposeCompensations():
+                for comp in move.compensations:
+                    body = ev.ToolCallProposed(
+                        call_id=comp.call_id, tool=comp.tool, arguments_json=comp.arguments_json,
+                        effect_class=TOOLS[comp.tool].effect_class,
+                        idempotency_key=idempotency_key(session, comp.call_id),
+                    )  # fmt: skip
+                    self.planner_append(session, body, "proposed", comp.call_id, move.cause)
+            case ApplyRestore():
+                cut = state.checkpoints[move.plan.checkpoint_id].taken.cut
+                body = ev.RestoreApplied(
+                    checkpoint_id=move.plan.checkpoint_id,
+                    num_abandoned=len(after_cut(self.events[session], cut)),
+                    compensated_call_ids=list(move.plan.compensated),
+                )
+                self.planner_append(session, body, "restore", move.cause, move.cause)
+            case RefuseRestore():
+                body = ev.RestoreRefused(
+                    checkpoint_id=move.plan.checkpoint_id,
+                    blocking_call_ids=list(move.plan.blocking),
+                    reason=move.plan.refused or "",
+                )
+                self.planner_append(session, body, "restore", move.cause, move.cause)
+            case MergeBranches():
+                return self.merge(session, move.branch_session_ids, move.cause, move.cause or "")
+            case StartBranches():
+                cut = state.checkpoints[move.call_id].taken.cut
+                created = [self.create_fork(state, b, move.call_id, cut, args) for b, args in move.branches]
+                return self.merge(session, tuple(b for b, _ in move.branches), None, move.call_id) or any(created)
+        return True
+
+    def take_checkpoint(self, state: SessionState, move: TakeCheckpoint) -> None:
+        session = state.session_id
+        events = self.events[session]
+        cut = cut_of(events, {t: self.offsets[t] for t in TOPICS})
+        at_cut = self.state_at(session, cut)
+        self.snapshots[(session, move.checkpoint_id)] = (cut, state_to_json(at_cut))
+        body = ev.CheckpointTaken(
+            checkpoint_id=move.checkpoint_id,
+            cut=cut,
+            state_digest=state_digest(at_cut),
+            effects=effects_of(at_cut),
+            num_events=at_cut.num_events,
+        )
+        self.planner_append(session, body, "checkpoint", move.checkpoint_id, move.cause)
+
+    def _fork_requests(self, state: SessionState) -> bool:
+        forked = False
+        for _, request in state.fork_requests:
+            checkpoint = state.checkpoints.get(request.checkpoint_id)
+            if checkpoint is not None:
+                args = json.dumps(state.args, sort_keys=True)
+                cut = checkpoint.taken.cut
+                forked |= self.create_fork(state, request.fork_session_id, request.checkpoint_id, cut, args)
+        return forked
+
+    def create_fork(self, parent: SessionState, fork: str, checkpoint_id: str, cut: dict[str, int], args: str) -> bool:
+        started = ev.SessionStarted(program=parent.program, args_json=args, parent_session_id=parent.session_id)
+        new = self.planner_append(fork, started, "start")
+        created = ev.ForkCreated(parent_session_id=parent.session_id, checkpoint_id=checkpoint_id, cut=cut)
+        return self.planner_append(fork, created, "fork") or new
+
+    def merge(self, session: str, branches: tuple[str, ...], cause: str | None, key: str) -> bool:
+        plan = merge_plan({b: self.own_state(b) for b in branches}, session)
+        if not plan.conflicted and plan.waiting_for:
+            return False
+        body: ev.MergeApplied | ev.MergeConflict
+        if plan.conflicted:
+            body = ev.MergeConflict(
+                branch_session_ids=list(branches), conflicts=list(plan.conflicts), resources=list(plan.resources)
+            )
+        else:
+            body = ev.MergeApplied(
+                branch_session_ids=list(branches), results_json=json.dumps(plan.results, sort_keys=True)
+            )
+        self.planner_append(session, body, "merge", key, cause)
+        return True
+
+    # ------------------------------------------------------ decider, executor
+
+    def decider(self, session: str) -> bool:
+        moved = False
+        for tool in self.own_state(session).tool_calls.values():
+            if tool.status is ToolStatus.PROPOSED:
+                body = ev.ToolCallCommitted(call_id=tool.call_id, votes=[], policy="unanimous")
+                moved |= self.append(session, body, "decider", eid=event_id(session, "verdict", tool.call_id))
+        return moved
+
+    def executor(self, session: str, *, crash: str | None = None) -> bool:
+        """Run committed calls; ``crash``: ``before_effect`` or ``after_effect`` (SIGKILL after Started)."""
+        moved = False
+        for tool in self.own_state(session).tool_calls.values():
+            spec = TOOLS[tool.proposed.tool]
+            if tool.status is ToolStatus.COMMITTED:
+                moved |= self._run(session, tool.call_id, 1, crash)
+                crash = None  # one crash per call of this function
+            elif tool.status is ToolStatus.STARTED:  # recovery after a crash
+                if spec.retry_safe:
+                    moved |= self._run(session, tool.call_id, tool.attempts + 1, None)
+                else:
+                    reason = "started and never reported an outcome"
+                    body = ev.ToolCallInDoubt(
+                        call_id=tool.call_id, tool=spec.name, effect_class=spec.effect_class, reason=reason
+                    )
+                    moved |= self.append(
+                        session, body, "executor", eid=event_id(session, "in-doubt", f"{tool.call_id}/{tool.attempts}")
+                    )
+            elif tool.status is ToolStatus.IN_DOUBT:
+                # The operator looks at the world: did it happen? Then mark it done, else retry it.
+                if self.executions[(session, tool.call_id)]:
+                    done = ev.ToolCallCompleted(call_id=tool.call_id, result_json="{}", result_tokens=0, duration_ms=0)
+                    moved |= self.append(session, done, "executor", eid=event_id(session, "completed", tool.call_id))
+                else:
+                    moved |= self._run(session, tool.call_id, tool.attempts + 1, None)
+        return moved
+
+    def _run(self, session: str, call_id: str, attempt: int, crash: str | None) -> bool:
+        tool = self.own_state(session).tool_calls[call_id]
+        started = ev.ToolCallStarted(
+            call_id=call_id, tool=tool.proposed.tool, idempotency_key=tool.proposed.idempotency_key, attempt=attempt
+        )
+        if not self.append(session, started, "executor", eid=event_id(session, "started", f"{call_id}/{attempt}")):
+            return False
+        if crash == "before_effect":
+            return True
+        self.executions[(session, call_id)] += 1
+        if crash == "after_effect":
+            return True
+        done = ev.ToolCallCompleted(call_id=call_id, result_json='{"ok": true}', result_tokens=4, duration_ms=1)
+        self.append(session, done, "executor", eid=event_id(session, "completed", call_id))
+        return True
+
+    # ----------------------------------------------------------------- drive
+
+    def sessions(self) -> list[str]:
+        return sorted(self.events)
+
+    def settle(self, max_rounds: int = 400) -> None:
+        """Run every role on every session until nothing moves."""
+        for _ in range(max_rounds):
+            moved = False
+            for session in self.sessions():
+                moved |= self.decider(session)
+                moved |= self.executor(session)
+                moved |= self.planner(session)
+            if not moved:
+                return
+        raise AssertionError("the world did not settle")
