@@ -7,6 +7,8 @@ is appended: an unknown session or checkpoint, a fork id that is taken, a
 branch that does not exist. ``restore --dry-run`` appends nothing: it folds
 the session and shows what a restore would do (refuse, naming the blocking
 calls; compensate some calls first; or rewind, abandoning some steps).
+``logctl state`` folds a session from its newest snapshot (or, with
+``--from-start``, from its first event) and prints its digest.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def register(app: typer.Typer) -> None:
     app.command()(fork)
     app.command()(restore)
     app.command()(merge)
+    app.command()(state)
 
 
 def _author() -> str:
@@ -254,5 +257,60 @@ def merge(
                     raise typer.Exit(1)
                 case _:
                     _fail(f"no answer within {timeout_s:g} s (are the branches still running?)", 2)
+
+    asyncio.run(go())
+
+
+def state(
+    session_id: Annotated[str, typer.Argument(help="The session to fold")],
+    log_url: LogUrl = None,
+    from_start: Annotated[
+        bool, typer.Option("--from-start", help="Ignore snapshots: fold from the first event")
+    ] = False,
+    snapshot_url: Annotated[
+        str | None, typer.Option(help="Postgres of the snapshots (default: as the planner finds it)")
+    ] = None,
+    as_json: Json = False,
+) -> None:
+    """A session's folded state and digest, replayed from its newest snapshot (or from the start)."""
+    from log.snapshots import SnapshotStore
+    from services.checkpoint import state_digest
+    from workers.planner import log_namespace
+    from workers.planner import snapshot_url as find_snapshot_url
+    from workers.replay import replay_session
+
+    async def go() -> None:
+        async with open_log(log_url, actor="auditor") as log:
+            url = find_snapshot_url(snapshot_url, log_url)
+            store = await SnapshotStore(url, log_namespace(log)).start() if url else None
+            try:
+                started = time.perf_counter()
+                replayed = await replay_session(log, store, session_id, use_snapshot=not from_start)
+                elapsed_ms = (time.perf_counter() - started) * 1000
+            finally:
+                if store is not None:
+                    await store.close()
+        folded = replayed.state
+        if folded.status is None:
+            _fail(f"no session {session_id!r} in the log")
+        digest = state_digest(folded)
+        data: dict[str, Any] = {
+            "session_id": session_id,
+            "status": folded.status.value if folded.status else None,
+            "digest": digest,
+            "source": replayed.source,
+            "records_read": replayed.num_records,
+            "steps": len(folded.steps),
+            "generation": folded.generation,
+            "checkpoints": list(folded.checkpoints),
+            "ms": round(elapsed_ms, 1),
+        }
+        _emit(
+            as_json,
+            data,
+            f"{session_id}: {data['status']}, {data['steps']} steps, generation {folded.generation}, "
+            f"digest {digest[:16]} (from {replayed.source}, {replayed.num_records} records, "
+            f"{elapsed_ms:.0f} ms)",
+        )
 
     asyncio.run(go())

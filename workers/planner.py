@@ -42,19 +42,12 @@ import os
 from typing import Any
 
 from log import LoggedEvent, SharedLog
-from log.snapshots import Snapshot, SnapshotStore, tails_below
+from log.snapshots import SnapshotStore
 from schemas import events as ev
 from services.checkpoint import (
-    CutEvent,
     after_cut,
-    before_cut,
-    cut_of,
-    effects_of,
     fold_events,
     merge_plan,
-    state_digest,
-    state_from_json,
-    state_to_json,
 )
 from services.planning import (
     ApplyRestore,
@@ -78,6 +71,7 @@ from services.session import SessionState
 from services.tools import TOOLS, idempotency_key
 from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable, HttpEngine
+from workers.replay import cut_events, session_at, take_checkpoint
 from workers.runtime import SessionWorker
 
 _log = logging.getLogger(__name__)
@@ -224,7 +218,7 @@ class PlannerWorker(SessionWorker):
                 crash_point("planner.before_restore")
                 checkpoint = state.checkpoints[move.plan.checkpoint_id]
                 history = await self.log.history(sid)
-                num_abandoned = len(after_cut(_cut_events(history), checkpoint.taken.cut))
+                num_abandoned = len(after_cut(cut_events(history), checkpoint.taken.cut))
                 body = ev.RestoreApplied(
                     checkpoint_id=move.plan.checkpoint_id,
                     num_abandoned=num_abandoned,
@@ -292,54 +286,14 @@ class PlannerWorker(SessionWorker):
 
     async def _checkpoint(self, state: SessionState, move: TakeCheckpoint) -> None:
         """Cut the session's log here, fold it, store a snapshot, append CheckpointTaken."""
-        sid = state.session_id
-        partition = self.log.partition_for(sid)
-        ends = {t: (await self.log.end_offsets(t)).get(partition, 0) for t in CUT_TOPICS}
-        history = await self.log.history(sid, CUT_TOPICS)
-        events = _cut_events(history)
-        cut = cut_of(events, ends)
-        at_cut = fold_events(sid, events)
-        if at_cut.fork is not None:
-            fork = at_cut.fork
-            at_cut.inherit(await self.session_at(fork.parent_session_id, fork.checkpoint_id, fork.cut))
-        digest = state_digest(at_cut)
-        if self.snapshots is not None:
-            await self.snapshots.save(
-                Snapshot(
-                    sid,
-                    move.checkpoint_id,
-                    cut,
-                    tails_below(history, cut),
-                    state_to_json(at_cut),
-                    digest,
-                    at_cut.num_events,
-                )
-            )
-        body = ev.CheckpointTaken(
-            checkpoint_id=move.checkpoint_id,
-            cut=cut,
-            state_digest=digest,
-            effects=effects_of(at_cut),
-            num_events=at_cut.num_events,
-        )
-        await self.append(sid, body, kind="checkpoint", key=move.checkpoint_id, cause=move.cause)
+        body = await take_checkpoint(self.log, self.snapshots, state.session_id, move.checkpoint_id)
+        await self.append(state.session_id, body, kind="checkpoint", key=move.checkpoint_id, cause=move.cause)
         crash_point("planner.after_checkpoint")
-
-    async def session_at(self, session_id: str, checkpoint_id: str, cut: dict[str, int]) -> SessionState:
-        """A session folded up to one of its checkpoints: from its snapshot when there is one, else
-        from its log; a fork's own parent history is added the same way (recursively)."""
-        if self.snapshots is not None:
-            snapshot = await self.snapshots.get(session_id, checkpoint_id)
-            if snapshot is not None and snapshot.cut == cut:
-                return state_from_json(snapshot.state)
-        state = fold_events(session_id, before_cut(_cut_events(await self.log.history(session_id)), cut))
-        if state.fork is not None and not state.inherited:
-            state.inherit(await self.session_at(state.fork.parent_session_id, state.fork.checkpoint_id, state.fork.cut))
-        return state
 
     async def _inherit(self, state: SessionState) -> None:
         assert state.fork is not None
-        base = await self.session_at(state.fork.parent_session_id, state.fork.checkpoint_id, state.fork.cut)
+        fork = state.fork
+        base = await session_at(self.log, self.snapshots, fork.parent_session_id, fork.checkpoint_id, fork.cut)
         state.inherit(base)
         _log.info(
             "fork %s inherits %d steps of %s up to %s",
@@ -378,7 +332,7 @@ class PlannerWorker(SessionWorker):
 
     async def _merge(self, state: SessionState, branch_ids: tuple[str, ...], *, cause: str | None, key: str) -> bool:
         sid = state.session_id
-        branches = {b: fold_events(b, _cut_events(await self.log.history(b))) for b in branch_ids}
+        branches = {b: fold_events(b, cut_events(await self.log.history(b))) for b in branch_ids}
         plan = merge_plan(branches, sid)
         if not plan.conflicted and plan.waiting_for:
             for branch in plan.waiting_for:
@@ -474,10 +428,6 @@ _BRANCH_NEWS = (ev.SessionFinished, ev.SessionFailed, ev.ToolCallInDoubt, ev.Too
 def _end_key(state: SessionState) -> str:
     """A session ends once per generation: a restored session's new end is a new event."""
     return f"r{state.generation}" if state.generation else ""
-
-
-def _cut_events(history: list[LoggedEvent]) -> list[CutEvent]:
-    return [CutEvent(e.topic, e.position.offset, e.envelope) for e in history]
 
 
 def log_namespace(log: SharedLog) -> str:

@@ -18,11 +18,11 @@ from cli.common import ensure_topics
 from cli.main import app
 from cli.stack import Stack
 from log import LoggedEvent, open_log
-from log.snapshots import SnapshotStore, read_tail
+from log.snapshots import SnapshotStore
 from schemas import events as ev
-from services.checkpoint import fold_events, state_digest, state_from_json, state_to_json
+from services.checkpoint import state_digest, state_to_json
 from services.session import SessionState, fold
-from workers.planner import _cut_events
+from workers.replay import Replayed, replay_session
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -167,23 +167,46 @@ def test_checkpoint_snapshot_and_replay_agree(env: Env) -> None:
     bad = env.logctl("checkpoint", "no-such-session")
     assert bad.exit_code != 0 and "no session 'no-such-session'" in bad.output
 
-    async def replay() -> tuple[SessionState, SessionState, str]:
+    async def replay() -> tuple[Replayed, Replayed, str]:
         async with (
             open_log(env.pg_url, actor="auditor", namespace=env.namespace) as log,
             SnapshotStore(env.pg_url, env.namespace) as store,
         ):
             snapshot = await store.get(session, "after-finish")
             assert snapshot is not None
-            tail = await read_tail(log, session, snapshot.cut, snapshot.tails)
-            from_snapshot = fold_events(session, _cut_events(tail), state_from_json(snapshot.state))
-            full = fold_events(session, _cut_events(await log.history(session)))
+            from_snapshot = await replay_session(log, store, session)
+            full = await replay_session(log, store, session, use_snapshot=False)
             return from_snapshot, full, snapshot.digest
 
     from_snapshot, full, digest = asyncio.run(replay())
     assert digest == body["state_digest"]
-    assert state_to_json(from_snapshot) == state_to_json(full)
-    assert state_digest(from_snapshot) == state_digest(full)
-    assert "after-finish" in full.checkpoints
+    assert from_snapshot.source == "snapshot after-finish" and full.source == "log"
+    assert from_snapshot.num_records < full.num_records
+    assert state_to_json(from_snapshot.state) == state_to_json(full.state)
+    assert "after-finish" in full.state.checkpoints
+    shown = [json.loads(env.logctl("state", session, *flag, "--json").output) for flag in ((), ("--from-start",))]
+    assert shown[0]["digest"] == shown[1]["digest"] == state_digest(full.state)
+    assert shown[0]["source"] == "snapshot after-finish" and shown[1]["source"] == "log"
+
+
+def test_automatic_checkpoints_every_n_events(pg_url: str, namespace: str, tmp_path: Path) -> None:
+    ensure_topics(pg_url, namespace=namespace)
+    extra = {"AGENTLOG_LEDGER_URL": pg_url, "AGENTLOG_NAMESPACE": namespace, "AGENTLOG_CHECKPOINT_EVERY": "10"}
+    with Stack(pg_url, tmp_path, time_scale=0.05, extra_env=extra) as stack:
+        env = Env(pg_url, namespace, stack)
+        session = f"auto-{uuid.uuid4().hex[:6]}"
+        env.request(session, [LLM, {"tool": "echo", "arguments": {"text": "a"}}] * 4 + [LLM])
+        state = env.wait(session, finished)
+
+        async def count() -> int:
+            async with SnapshotStore(pg_url, namespace) as store:
+                return await store.count(session)
+
+        automatic = [c for c in state.checkpoints if c.startswith("auto-")]
+        assert len(automatic) >= 2, state.checkpoints
+        assert asyncio.run(count()) == len(state.checkpoints)
+        shown = [json.loads(env.logctl("state", session, *flag, "--json").output) for flag in ((), ("--from-start",))]
+        assert shown[0]["digest"] == shown[1]["digest"] and shown[0]["source"].startswith("snapshot auto-")
 
 
 def test_fork_reuses_the_parent_prefix_and_never_reruns_its_effects(env: Env) -> None:

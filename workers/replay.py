@@ -1,0 +1,116 @@
+"""Folding sessions from the log, from the first event or from a snapshot, and taking checkpoints.
+
+Shared by the planner (checkpoints, a fork's parent history), ``logctl state``
+and ``bench/replay_snapshots.py``, so that all of them cut, fold and snapshot
+the same way (rules in ``services/checkpoint.py``, storage in ``log/snapshots.py``).
+
+- ``take_checkpoint``: end offsets of the session's partition, then its
+  history; the cut is past both; the fold of that history (plus, for a fork,
+  its parent's history up to the fork's cut) is the state at the checkpoint;
+  its snapshot is saved before ``CheckpointTaken`` is appended, so a
+  checkpoint on the log always has its snapshot (when there is a store);
+- ``session_at``: a session up to one of its checkpoints, from the snapshot
+  when its cut matches, else from the log;
+- ``replay_session``: a session's current state, from its newest snapshot
+  plus the records after its cut, or from its first event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from log import LoggedEvent, SharedLog
+from log.snapshots import Snapshot, SnapshotStore, read_tail, tails_below
+from schemas import events as ev
+from services.checkpoint import (
+    SESSION_TOPICS,
+    CutEvent,
+    before_cut,
+    cut_of,
+    effects_of,
+    fold_events,
+    state_digest,
+    state_from_json,
+    state_to_json,
+)
+from services.session import SessionState
+
+
+def cut_events(history: list[LoggedEvent]) -> list[CutEvent]:
+    return [CutEvent(e.topic, e.position.offset, e.envelope) for e in history]
+
+
+async def session_at(
+    log: SharedLog, snapshots: SnapshotStore | None, session_id: str, checkpoint_id: str, cut: dict[str, int]
+) -> SessionState:
+    """A session folded up to one of its checkpoints (a fork's parent history added, recursively)."""
+    if snapshots is not None:
+        snapshot = await snapshots.get(session_id, checkpoint_id)
+        if snapshot is not None and snapshot.cut == cut:
+            return state_from_json(snapshot.state)
+    state = fold_events(session_id, before_cut(cut_events(await log.history(session_id)), cut))
+    await add_parent_history(log, snapshots, state)
+    return state
+
+
+async def add_parent_history(log: SharedLog, snapshots: SnapshotStore | None, state: SessionState) -> None:
+    if state.fork is not None and not state.inherited:
+        fork = state.fork
+        state.inherit(await session_at(log, snapshots, fork.parent_session_id, fork.checkpoint_id, fork.cut))
+
+
+async def take_checkpoint(
+    log: SharedLog, snapshots: SnapshotStore | None, session_id: str, checkpoint_id: str
+) -> ev.CheckpointTaken:
+    """Cut the session's log now, fold it, save the snapshot; returns the event to append."""
+    partition = log.partition_for(session_id)
+    ends = {t: (await log.end_offsets(t)).get(partition, 0) for t in SESSION_TOPICS}
+    history = await log.history(session_id, SESSION_TOPICS)
+    events = cut_events(history)
+    cut = cut_of(events, ends)
+    at_cut = fold_events(session_id, events)
+    await add_parent_history(log, snapshots, at_cut)
+    digest = state_digest(at_cut)
+    if snapshots is not None:
+        snapshot = Snapshot(
+            session_id,
+            checkpoint_id,
+            cut,
+            tails_below(history, cut),
+            state_to_json(at_cut),
+            digest,
+            at_cut.num_events,
+        )
+        await snapshots.save(snapshot)
+    return ev.CheckpointTaken(
+        checkpoint_id=checkpoint_id,
+        cut=cut,
+        state_digest=digest,
+        effects=effects_of(at_cut),
+        num_events=at_cut.num_events,
+    )
+
+
+@dataclass(frozen=True)
+class Replayed:
+    state: SessionState
+    source: str
+    """``log`` or ``snapshot <checkpoint id>``."""
+    num_records: int
+    """Records read and verified from the log."""
+
+
+async def replay_session(
+    log: SharedLog, snapshots: SnapshotStore | None, session_id: str, *, use_snapshot: bool = True
+) -> Replayed:
+    """The session's state now: from its newest snapshot and the records after it, or from the first event."""
+    snapshot = await snapshots.latest(session_id) if snapshots is not None and use_snapshot else None
+    if snapshot is None:
+        history = await log.history(session_id, SESSION_TOPICS)
+        state = fold_events(session_id, cut_events(history))
+        await add_parent_history(log, snapshots, state)
+        return Replayed(state, "log", len(history))
+    tail = await read_tail(log, session_id, snapshot.cut, snapshot.tails)
+    state = fold_events(session_id, cut_events(tail), state_from_json(snapshot.state))
+    await add_parent_history(log, snapshots, state)
+    return Replayed(state, f"snapshot {snapshot.checkpoint_id}", len(tail))
