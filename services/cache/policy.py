@@ -258,7 +258,7 @@ class CachePolicy:
         if not _is_gpu_candidate(view):
             return None
         score = self.score(view, now, memory.host_free_blocks, delays)
-        made, _ = self._no_deficit(view, score, now, memory, memory.host_free_blocks, delays, ())
+        made, _ = self._no_deficit(view, score, now, memory, memory.host_free_blocks, delays)
         return made[0]
 
     def decide(
@@ -282,19 +282,18 @@ class CachePolicy:
             freed = view.gpu_blocks if memory.reclaimable is None else memory.reclaimable.get(sid, 0)
             if view.phase is not Phase.FINISHED and deficit > 0:
                 distance = self.next_reference_s(view, now, delays)
-                room = self._host_room(view, now, host_free, delays, residents)
-                if room is not None and self._tail_cheaper(view, min(deficit, freed)):
-                    room = None
+                loss = self.release_loss_ms(view, min(deficit, freed))
+                room = self._host_room(view, now, host_free, delays, residents, loss)
                 if room is not None:
                     decisions.extend(room)
                     host_free += sum(d.num_blocks for d in room) - view.gpu_blocks
-                    action, reason = CacheAction.SWAP, "memory pressure: swap round trip cheaper than recompute"
+                    action, reason = CacheAction.SWAP, "memory pressure: swapping costs less than the tail's recompute"
                 else:
                     action, reason = CacheAction.RELEASE, "memory pressure: no host room or recompute is cheaper"
                 decisions.append(CacheDecision(sid, action, score, distance, view.gpu_blocks, reason=reason))
                 deficit -= freed
                 continue
-            made, host_free = self._no_deficit(view, score, now, memory, host_free, delays, residents)
+            made, host_free = self._no_deficit(view, score, now, memory, host_free, delays)
             decisions.extend(made)
             if view.phase is Phase.FINISHED:
                 deficit -= freed
@@ -308,9 +307,8 @@ class CachePolicy:
         memory: MemoryState,
         host_free: int,
         delays: Delays,
-        residents: Iterable[_Resident],
     ) -> tuple[list[CacheDecision], int]:
-        """Rules 1, 3 and 4 for one GPU candidate: its decisions (host evictions first) and the host room left."""
+        """Rules 1, 3 and 4 for one GPU candidate: its decision and the host room left."""
         c = self.config
         sid, blocks = view.session_id, view.gpu_blocks
         distance = self.next_reference_s(view, now, delays)
@@ -328,34 +326,38 @@ class CachePolicy:
             return [
                 CacheDecision(sid, CacheAction.PRESERVE, score, distance, blocks, ttl_s=c.min_ttl_s, reason=reason)
             ], host_free
-        room = self._host_room(view, now, host_free, delays, residents)
-        if room is None:
+        if not self.can_swap(blocks, host_free):
             ttl = min(c.max_ttl_s, max(c.min_ttl_s, c.ttl_factor * distance))
             reason = f"{beyond}; no host room: kept until needed"
             return [
                 CacheDecision(sid, CacheAction.PRESERVE, score, distance, blocks, ttl_s=ttl, reason=reason)
             ], host_free
-        host_free += sum(d.num_blocks for d in room) - blocks
-        return [*room, CacheDecision(sid, CacheAction.SWAP, score, distance, blocks, reason=beyond)], host_free
+        return [CacheDecision(sid, CacheAction.SWAP, score, distance, blocks, reason=beyond)], host_free - blocks
 
-    def _tail_cheaper(self, view: SessionView, needed: int) -> bool:
-        """Releasing costs the recompute of the ``needed`` tail blocks the engine will evict (after the
-        kept prefix); swapping costs the round trip of all the view's blocks."""
+    def release_loss_ms(self, view: SessionView, needed: int) -> float:
+        """Expected cost of releasing the view when ``needed`` of its GPU blocks must go now: the
+        engine evicts them from the tail, which is recomputed (after the kept prefix) on return."""
         b, bs = view.gpu_blocks, self.cost.block_size
-        if needed >= b:
-            return False
-        tail = self.return_probability(view) * self.cost.recompute_ms(needed * bs, (b - needed) * bs)
-        return tail < self.swap_round_trip_ms(b)
+        k = max(0, min(needed, b))
+        return self.return_probability(view) * self.cost.recompute_ms(k * bs, (b - k) * bs)
 
     def _host_room(
-        self, view: SessionView, now: float, host_free: int, delays: Delays, residents: Iterable[_Resident]
+        self,
+        view: SessionView,
+        now: float,
+        host_free: int,
+        delays: Delays,
+        residents: Iterable[_Resident],
+        loss_ms: float,
     ) -> list[CacheDecision] | None:
-        """None when the view cannot be swapped out; else the host residents to discard first (maybe none)."""
+        """None when swapping the view out does not beat losing ``loss_ms``; else the host residents
+        to discard first (maybe none)."""
         blocks = view.gpu_blocks
-        if self.can_swap(blocks, host_free):
-            return []
-        if not self.swap_pays(blocks):
+        budget = loss_ms - self.swap_round_trip_ms(blocks)
+        if not self.swap_pays(blocks) or budget <= 0:
             return None
+        if blocks <= host_free:
+            return []
         mine = self.host_score(view, blocks, now, delays)
         chosen: list[_Resident] = []
         room = host_free
@@ -364,8 +366,14 @@ class CachePolicy:
                 break
             if resident.evicted:
                 continue
+            h = resident.view.host_blocks
+            budget -= self.return_probability(resident.view) * (
+                self.cost.recompute_ms(h * self.cost.block_size) - self.cost.swap_ms(h)
+            )
+            if budget <= 0:
+                return None
             chosen.append(resident)
-            room += resident.view.host_blocks
+            room += h
         if room < blocks:
             return None
         out: list[CacheDecision] = []

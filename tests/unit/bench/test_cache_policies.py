@@ -4,6 +4,7 @@ transfers are charged, the workload helpers keep what they promise."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -14,6 +15,7 @@ from bench.cache_policies import (
     cap_context,
     floor_jct,
     make_manager,
+    print_goals,
     print_tables,
     replicate,
     respace,
@@ -118,6 +120,9 @@ def test_tables_goals_csv_and_png(tmp_path, capsys) -> None:  # type: ignore[no-
     assert "best baseline kvflow" in out and "1.100x WINS" in out and "recomp/oracle 1.200" in out
     assert "wins 1, ties (within 0.1%) 0, losses 0 of 1 cells" in out
     assert "best baseline (kvflow) / ours = 1.100x (goal >= 1.15x); no policy can beat 2.200x" in out
+    ample = [*_rows(), *(replace(r, capacity=1.0, mean_jct=r.mean_jct - 0.1) for r in _rows())]
+    print_goals(ample)
+    assert "whole working set in memory the best mean JCT is 1.90 s, a 1.158x bound" in capsys.readouterr().out
     assert "within 15% in 0 of 1 cells; worst 1.200x" in out
     write_csv(_rows(), tmp_path / "out.csv")
     lines = (tmp_path / "out.csv").read_text().splitlines()
