@@ -29,11 +29,14 @@ Rows (the same events, in one run)
 - ``Kafka consume only``: an ``EventConsumer`` reading the same events from a Kafka
   namespace (decode, verify, nothing else): the log client's ceiling.
 - ``Kafka worker``: ``CacheManagerWorker`` reading the same backlog from Kafka,
-  deciding and appending its decisions (``append_many`` per poll, waited for).
+  deciding and appending its decisions (one ``append_many`` per poll, overlapping the
+  next poll), as ``python -m workers.cache_manager`` runs, minus the replay rules (the
+  backlog counts as new events).
 
 Latency, per event that causes decisions: ``decide`` is fold+decide of that event
 (what the issue calls "from receiving the event to the decision ready to append",
-when the event is taken alone); ``from poll`` adds the wait behind the events before it
+when the event is taken alone; ``cpu p99``: the same in the thread's CPU time, which
+preemption by other processes does not inflate); ``from poll`` adds the wait behind the events before it
 in the same poll (a poll hands out up to ``--max-records``); ``appended`` runs to the
 acknowledgement of the append that carries it (end to end). Throughput counts all events.
 """
@@ -190,6 +193,7 @@ class Row:
     seconds: float
     num_decisions: int
     decide_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)  # the same, in this thread's CPU time (no preemption)
     ready_s: list[float] = field(default_factory=list)
     appended_s: list[float] = field(default_factory=list)
 
@@ -209,17 +213,20 @@ def run_fold(events: list[Ev], config: ManagerConfig) -> Row:
     manager = CacheManager(config, CachePolicy())
     apply = manager.apply
     clock = time.perf_counter
+    cpu = time.thread_time
     latencies: list[float] = []
+    cpu_latencies: list[float] = []
     decisions = 0
     gc.collect()
     began = clock()
     for e in events:
-        t = clock()
+        t, c = clock(), cpu()
         out = apply(e.event_id, e.session_id, e.body, e.at)
         if out:
+            cpu_latencies.append(cpu() - c)
             latencies.append(clock() - t)
             decisions += len(out)
-    return Row("fold+decide (memory)", len(events), clock() - began, decisions, decide_s=latencies)
+    return Row("fold+decide (memory)", len(events), clock() - began, decisions, latencies, cpu_latencies)
 
 
 def encode_all(events: list[Ev]) -> list[tuple[topic_table.Topic, bytes, bytes]]:
@@ -243,21 +250,25 @@ def run_decode_fold(records: list[tuple[topic_table.Topic, bytes, bytes]], confi
     verifier = ChainVerifier()
     manager = CacheManager(config, CachePolicy())
     clock = time.perf_counter
+    cpu = time.thread_time
     latencies: list[float] = []
+    cpu_latencies: list[float] = []
     decisions = 0
     epoch = T0.timestamp()
     gc.collect()
     began = clock()
     for i, (topic, key, value) in enumerate(records):
-        t = clock()
+        t, c = clock(), cpu()
         envelope = codec.decode(value)
         verifier.verify(topic, key, envelope, Position(topic.name, 0, i))
         at = envelope.occurred_at.timestamp() - epoch
         out = manager.apply(envelope.event_id, SessionId(envelope.session_id), envelope.body, at)
         if out:
+            cpu_latencies.append(cpu() - c)
             latencies.append(clock() - t)
             decisions += len(out)
-    return Row("decode+verify+fold+decide (memory)", len(records), clock() - began, decisions, decide_s=latencies)
+    name = "decode+verify+fold+decide (memory)"
+    return Row(name, len(records), clock() - began, decisions, latencies, cpu_latencies)
 
 
 async def fill_kafka(bootstrap: str, namespace: str, events: list[Ev], partitions: int) -> float:
@@ -329,7 +340,7 @@ async def run_worker(bootstrap: str, namespace: str, config: ManagerConfig, num_
         # the last poll's append is part of the work
         end = max(worker.last, worker.first)
         return Row(f"Kafka worker (poll {max_records}, append)", stats.num_events, end - worker.first,
-                   stats.num_decisions, stats.decide_s, stats.ready_s, stats.appended_s)  # fmt: skip
+                   stats.num_decisions, stats.decide_s, [], stats.ready_s, stats.appended_s)  # fmt: skip
 
 
 def delete_namespace(bootstrap: str, namespace: str) -> None:
@@ -355,14 +366,14 @@ def ms(value: float | None) -> str:
 
 def table(rows: list[Row], base: Row) -> str:
     header = (
-        f"{'':<40} {'events/s':>10} {'x mem':>6} {'decisions':>9} {'decide p50':>10} {'p99':>7}"
+        f"{'':<40} {'events/s':>10} {'x mem':>6} {'decisions':>9} {'decide p50':>10} {'p99':>7} {'cpu p99':>7}"
         f" {'from poll p50':>13} {'p99':>7} {'appended p50':>12} {'p99':>7}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r.name:<40} {r.rate:>10,.0f} {r.rate / base.rate:>6.2f} {r.num_decisions:>9,}"
-            f" {ms(pct(r.decide_s, 0.5)):>10} {ms(pct(r.decide_s, 0.99)):>7}"
+            f" {ms(pct(r.decide_s, 0.5)):>10} {ms(pct(r.decide_s, 0.99)):>7} {ms(pct(r.cpu_s, 0.99)):>7}"
             f" {ms(pct(r.ready_s, 0.5)):>13} {ms(pct(r.ready_s, 0.99)):>7}"
             f" {ms(pct(r.appended_s, 0.5)):>12} {ms(pct(r.appended_s, 0.99)):>7}"
         )
@@ -370,6 +381,8 @@ def table(rows: list[Row], base: Row) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> int:
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{os.cpu_count()} CPUs, load average {load} (latency tails include preemption by other work)")
     print(f"generating {args.events:,} events for {args.sessions:,} live sessions ...", flush=True)
     events, mean_blocks = workload(args.events, args.sessions, args.seed)
     config = config_for(args.sessions, mean_blocks)
@@ -410,7 +423,8 @@ async def main_async(args: argparse.Namespace) -> int:
         p99 = pct(r.decide_s, 0.99)
         print(
             f"goal >= 20,000 events/s: {r.name}: {r.rate:,.0f} -> {'met' if r.rate >= 20_000 else 'NOT met'}; "
-            f"goal p99 < 2 ms (decide): {ms(p99)} ms -> {'met' if p99 is not None and p99 < 0.002 else 'NOT met'}"
+            f"goal p99 < 2 ms (decide, wall): {ms(p99)} ms -> "
+            f"{'met' if p99 is not None and p99 < 0.002 else 'NOT met'}"
         )
     args.result = {"events": len(events), "sessions": args.sessions, "append_rate": append_rate, "rows": rows}
     return 0
@@ -441,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                 "decisions": r.num_decisions,
                 **{
                     f"{k}_{q}": pct(getattr(r, k), p)
-                    for k in ("decide_s", "ready_s", "appended_s")
+                    for k in ("decide_s", "cpu_s", "ready_s", "appended_s")
                     for q, p in (("p50", 0.5), ("p99", 0.99))
                 },
             }

@@ -14,9 +14,12 @@ divided by ``--time-scale`` (log seconds per simulated second, as for the engine
 executor), tool durations likewise; TTLs and distances are multiplied back when
 written, so ``ttl_ms`` is in log time, as the engine expects.
 
-**Each poll**: fold every event (``CacheManager.apply``), append the batch's decisions
-with one ``append_many`` and wait for it, then commit the offsets. A decision's event id
-is ``uuid5(trigger event id, kind, session)``: appending it again is a no-op.
+**Each poll**: fold every event (``CacheManager.apply``) and append the poll's decisions
+with one ``append_many``, which runs while the next poll is read and folded (at most one
+append in flight, so decisions land in order). Offsets are committed about once a second,
+after the appends before them landed; they serve monitoring (consumer lag), since
+recovery reads from 0. A decision's event id is ``uuid5(trigger event id, kind,
+session)``: appending it again is a no-op.
 
 **Recovery: re-read from the beginning, with kv.decisions as the record of what was
 decided.** State (views, pins, TTLs, memory, the latency model) is a fold of the whole
@@ -81,13 +84,14 @@ class WorkerStats:
     num_adopted: int = 0
     num_recovered: int = 0
     num_diverged: int = 0
+    num_skipped: int = 0  # events read a second time (a partition that came back): not folded again
     record_latency: bool = False
     decide_s: list[float] = field(default_factory=list)  # fold+decide of one triggering event
     ready_s: list[float] = field(default_factory=list)  # poll return -> its decisions ready
     appended_s: list[float] = field(default_factory=list)  # poll return -> append acknowledged
 
     def summary(self) -> str:
-        names = ("events", "decisions", "appended", "replayed", "adopted", "recovered", "diverged")
+        names = ("events", "decisions", "appended", "replayed", "adopted", "recovered", "diverged", "skipped")
         return " ".join(f"{n}={getattr(self, 'num_' + n)}" for n in names)
 
 
@@ -124,6 +128,7 @@ class CacheManagerWorker:
         max_records: int = 500,
         stats: WorkerStats | None = None,
         recover: bool = True,
+        commit_every_s: float = 1.0,
     ) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
@@ -137,12 +142,16 @@ class CacheManagerWorker:
         self.max_records = max_records
         self.stats = stats if stats is not None else WorkerStats()
         self.recover = recover
+        self.commit_every_s = commit_every_s
         """False: every event read is new (no replay rules); benchmarks reading a backlog."""
         self.caught_up = asyncio.Event()
         self._stopping = asyncio.Event()
         self._logged: dict[str, CacheDecisionMade] = {}
         self._boundary: dict[tuple[str, int], int] = {}
         self._pending: dict[tuple[str, int], list[Decided]] = {}
+        # Next offset to fold per (topic, partition): a partition that comes back after a
+        # rebalance is read again from 0 (from_beginning), and must not be folded twice.
+        self._next_offset: dict[tuple[str, int], int] = {}
 
     # ------------------------------------------------------ process plumbing
 
@@ -206,6 +215,9 @@ class CacheManagerWorker:
         consumer = await self.log.consumer(
             self.group, list(self.topics), from_beginning=True, instance_id=self.instance_id
         ).start()
+        # One append in flight while the next poll is read and folded (appends stay in order).
+        inflight: asyncio.Task[None] | None = None
+        last_commit = time.monotonic()
         try:
             while not self._stopping.is_set():
                 events = await consumer.poll(timeout_s=self.poll_timeout_s, max_records=self.max_records)
@@ -217,16 +229,32 @@ class CacheManagerWorker:
                     _log.info("cache manager caught up: %s", self.stats.summary())
                 if drafts:
                     crash_point("cache-manager.before_append")
-                    await self.log.append_many(drafts)
-                    self.stats.num_appended += len(drafts)
-                    crash_point("cache-manager.after_append")
-                    if self.stats.record_latency:
-                        done = time.perf_counter()
-                        self.stats.appended_s.extend(done - r for r in ready)
-                await consumer.commit()
+                    if inflight is not None:
+                        await inflight
+                    inflight = asyncio.create_task(self._append(drafts, ready))
+                if time.monotonic() - last_commit >= self.commit_every_s:
+                    # Offsets are for monitoring (recovery reads from 0): commit what is appended.
+                    if inflight is not None:
+                        await inflight
+                        inflight = None
+                    await consumer.commit()
+                    last_commit = time.monotonic()
+            if inflight is not None:
+                await inflight
+            await consumer.commit()
         finally:
+            if inflight is not None and not inflight.done():
+                inflight.cancel()
             await consumer.close()
             _log.info("cache manager stopped: %s", self.stats.summary())
+
+    async def _append(self, drafts: list[Draft], ready: list[float]) -> None:
+        await self.log.append_many(drafts)
+        self.stats.num_appended += len(drafts)
+        crash_point("cache-manager.after_append")
+        if self.stats.record_latency:
+            done = time.perf_counter()
+            self.stats.appended_s.extend(done - r for r in ready)
 
     async def read_decisions(self) -> dict[str, CacheDecisionMade]:
         """Every decision already in the log, by event id."""
@@ -248,7 +276,14 @@ class CacheManagerWorker:
         stats = self.stats
         apply = self.manager.apply
         scale = self.time_scale
+        seen = self._next_offset
         for event in events:
+            position = event.position
+            tp = (position.topic, position.partition)
+            if position.offset < seen.get(tp, 0):
+                stats.num_skipped += 1  # read again after a rebalance: already folded
+                continue
+            seen[tp] = position.offset + 1
             envelope = event.envelope
             began = time.perf_counter()
             body = scaled(envelope.body, scale)
@@ -263,8 +298,6 @@ class CacheManagerWorker:
                 stats.decide_s.append(now - began)
                 stats.ready_s.append(now - received)
             stats.num_decisions += len(decided)
-            position = event.position
-            tp = (position.topic, position.partition)
             if position.offset < self._boundary.get(tp, 0):
                 decided = self._replayed(tp, decided)
             drafts.extend(self._draft(d) for d in decided)

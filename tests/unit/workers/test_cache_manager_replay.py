@@ -102,3 +102,12 @@ def test_times_and_ttls_follow_the_time_scale() -> None:
     assert decision(draft).ttl_ms == 100  # the same 10 simulated seconds, in log time
     completed = ev.ToolCallCompleted(call_id="t", result_json="{}", result_tokens=0, duration_ms=30)
     assert scaled(completed, 0.01).duration_ms == pytest.approx(3000)  # type: ignore[attr-defined]
+
+
+def test_events_read_again_after_a_rebalance_are_not_folded_twice() -> None:
+    w = worker()
+    events = gap("a", 0, 0.0)
+    assert len(w.process(events, received=0.0)[0]) == 1
+    assert w.process(events, received=0.0)[0] == []  # the partition came back and was read from 0
+    assert (w.stats.num_events, w.stats.num_skipped) == (3, 3)
+    assert w.manager.builder.view("a").turns == 1  # type: ignore[arg-type]
