@@ -11,9 +11,9 @@ after the cut. Those records are verified like any consumer does, with each
 chain seeded from the snapshot's tails, so a record that does not link to the
 snapshot's last record is left out, as ``SharedLog.history`` would.
 
-Reading the tail: on Postgres the session's records are fetched by key (an
-index) and only those at or after the cut are decoded and verified; on Kafka
-each topic's partition is scanned from the cut only.
+Reading the tail: each topic's partition is scanned from the cut only (other
+sessions' records there are skipped by key, undecoded), so the cost is the
+part of the log written since the snapshot, not the session's whole history.
 
 The table lives in schema ``agentlog_snapshots`` of the given server, keyed by
 (namespace, session, checkpoint); writing one twice keeps the first
@@ -34,7 +34,7 @@ from log import topics as topic_table
 from log.chain import ChainVerifier
 from log.errors import RecordError
 from log.shared_log import SharedLog
-from log.types import LoggedEvent, RawRecord
+from log.types import LoggedEvent
 from schemas.envelope import Envelope
 from schemas.events import KVAllBlocksCleared
 
@@ -192,11 +192,7 @@ async def read_tail(
                 hash=bytes.fromhex(tail.hash_hex),
             )
             verifier.accept(topic, seed)
-        records: list[RawRecord]
-        if log.backend.name == "postgres":
-            records = [r for r in await log.backend.read_key(name, partition, key) if r.position.offset >= start]
-        else:
-            records = [r async for r in log.backend.scan(name, partition, start) if r.key == key]
+        records = [r async for r in log.backend.scan(name, partition, start) if r.key == key]
         for record in records:
             try:
                 envelope = log.codec.decode(record.value)
