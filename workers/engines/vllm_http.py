@@ -51,8 +51,9 @@ def _bounded(schema: dict[str, Any], max_string: int) -> dict[str, Any]:
     return schema
 
 
-def react_schema(tools: list[str], *, max_string: int = 24) -> dict[str, Any]:
-    """JSON schema of a ``react`` reply: one of the tools with its argument schema, or an answer."""
+def react_schema(tools: list[str], *, answer: bool = True, max_string: int = 24) -> dict[str, Any]:
+    """JSON schema of a ``react`` reply: one of the tools with its argument schema, or (unless
+    ``answer`` is false: the model must keep calling tools) an answer."""
     choices: list[dict[str, Any]] = [
         {
             "type": "object",
@@ -62,14 +63,15 @@ def react_schema(tools: list[str], *, max_string: int = 24) -> dict[str, Any]:
         }
         for name in tools
     ]
-    choices.append(
-        {
-            "type": "object",
-            "properties": {"answer": {"type": "string", "maxLength": max_string}},
-            "required": ["answer"],
-            "additionalProperties": False,
-        }
-    )
+    if answer:
+        choices.append(
+            {
+                "type": "object",
+                "properties": {"answer": {"type": "string", "maxLength": max_string}},
+                "required": ["answer"],
+                "additionalProperties": False,
+            }
+        )
     return {"anyOf": choices}
 
 
@@ -104,7 +106,7 @@ class VllmEngine(HttpEngine):
         if self.hold_s:
             payload["vllm_xargs"] = {HOLD_ARG: self.hold_s}
         if self.json_schema is not None:
-            payload["structured_outputs"] = {"json": self.json_schema}
+            payload["structured_outputs"] = {"json": self.json_schema, "disable_any_whitespace": True}
         return payload
 
     def timings(self, body: dict[str, Any], total_ms: float) -> tuple[float, float, float, bool]:

@@ -23,6 +23,7 @@ What the command line configures, and why:
   ``--enable-per-request-metrics`` (queue, prefill and decode times in the response);
 - ``--num-gpu-blocks-override`` (a small KV pool to create memory pressure) and
   ``--block-size`` (32 by default: the CPU backend wants multiples of 32);
+- ``--structured-outputs-config`` without free whitespace (guided JSON from a random model);
 - on a machine without a GPU: ``--enforce-eager`` (no torch.compile: starts in ~35 s
   instead of ~90 s on 2 cores) and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB).
 
@@ -133,6 +134,9 @@ class VllmServerConfig:
             "--enable-per-request-metrics",
             "--kv-events-config",
             json.dumps(events),
+            # Grammar-guided JSON without free whitespace: a random model fills any slack with tabs.
+            "--structured-outputs-config",
+            json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
             "--uvicorn-log-level",
             "warning",
         ]
