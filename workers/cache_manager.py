@@ -161,6 +161,9 @@ class CacheManagerWorker:
         parser.add_argument("--gpu-blocks", type=int, default=int(env("AGENTLOG_CACHE_GPU_BLOCKS", "4096")))
         parser.add_argument("--host-blocks", type=int, default=int(env("AGENTLOG_CACHE_HOST_BLOCKS", "4096")))
         parser.add_argument("--block-size", type=int, default=16)
+        parser.add_argument(
+            "--headroom-blocks", type=int, default=None, help="blocks pins leave free (default: the largest call seen)"
+        )
         parser.add_argument("--engine-id", default=env("AGENTLOG_ENGINE_ID", "sim-0"))
         parser.add_argument(
             "--time-scale",
@@ -177,6 +180,7 @@ class CacheManagerWorker:
             host_total_blocks=args.host_blocks,
             block_size=args.block_size,
             engine_id=args.engine_id,
+            headroom_blocks=args.headroom_blocks,
         )
         return cls(
             log,

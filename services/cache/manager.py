@@ -8,7 +8,12 @@ the same events in the same order always give the same decisions and ids.
 **Memory model** (from the log alone, never from the engine). ``gpu_total_blocks`` and
 ``host_total_blocks`` come from configuration. A session's GPU blocks are the blocks
 ``kv.events`` says it holds on the GPU; a session with no KV event at all (no engine
-bridge) is assumed to hold ``ceil(context_tokens / block_size)``. A session is *charged*
+bridge) is assumed to hold ``ceil(context_tokens / block_size)``, and so is one whose
+last completed call's KV events have not arrived yet (at least: the maximum of both).
+The engine reports a call's blocks, then its ``KVCacheHit``; the bridge polls the
+engine, so those often reach the log after the planner's ``LLMCallCompleted`` and
+``ToolCallProposed``, and without this the gap decision would see the blocks the
+session held before the call (none, after a swap-out). A session is *charged*
 (its blocks are not free) while
 
 - in an LLM call (``LLMCallStarted`` .. ``LLMCallCompleted``): ``max(need, held)``
@@ -33,6 +38,11 @@ events after a restart appends nothing twice):
   evicts pinned sessions, lowest survival score first (ties by session id), until the
   deficit is covered: SWAP when the host has room and swap-in is cheaper than recompute
   (``CachePolicy.can_swap``), else RELEASE (the engine frees what it needs, LRU).
+  **Headroom**: after any PRESERVE, pins must leave ``headroom`` blocks free (default:
+  the largest call seen so far), else the same eviction runs until they do (the new pin
+  competes like the others; its eviction is a second decision of the same trigger, kind
+  ``pressure``). Decisions reach the engine through the log, after the planner has sent
+  the call: room has to be kept ahead of the call, not made when it starts.
 - ``ttl``: when the log's time passes a PRESERVE's TTL end, that session is decided
   again, as of the time of the event that passed it (the trigger is the PRESERVE
   decision's event id).
@@ -63,6 +73,7 @@ from schemas.events import (
     CacheDecisionMade,
     KVBlocksRemoved,
     KVBlocksStored,
+    KVCacheHit,
     LLMCallCompleted,
     LLMCallStarted,
     Model,
@@ -95,8 +106,13 @@ class ManagerConfig:
     host_total_blocks: int = 0
     block_size: int = 16
     engine_id: str = "sim-0"
+    headroom_blocks: int | None = None
+    """GPU blocks a PRESERVE must leave free of pins for the next call; None: the largest
+    call seen so far (``need`` of an ``LLMCallStarted``)."""
 
     def __post_init__(self) -> None:
+        if self.headroom_blocks is not None and self.headroom_blocks < 0:
+            raise ValueError(f"headroom_blocks must be >= 0 or None, got {self.headroom_blocks}")
         if self.gpu_total_blocks <= 0 or self.host_total_blocks < 0 or self.block_size <= 0:
             raise ValueError(
                 "need gpu_total_blocks > 0, host_total_blocks >= 0 and block_size > 0, got "
@@ -162,6 +178,8 @@ class _Session:
     host_reserved: int = 0  # host blocks its SWAP decision took
     host_charged: int = 0
     kv_seen: bool = False  # kv.events told us about it (else blocks are estimated from tokens)
+    completed_call: str = ""  # the last LLM call the planner reported done
+    reported_call: str = ""  # the last LLM call the engine's KV events reported (KVCacheHit)
     pin_id: str = ""  # event id of the PRESERVE decision (the trigger of its TTL end)
 
 
@@ -181,6 +199,7 @@ class CacheManager:
     _candidates: list[tuple[float, SessionId, int]] = field(default_factory=list)  # (score, sid, version)
     _expiries: list[tuple[float, SessionId, int]] = field(default_factory=list)  # (ttl end, sid, version)
     _num_pinned: int = 0
+    _max_need: int = 0
 
     def __post_init__(self) -> None:
         # One latency model: what the builder learns from effects is what the policy predicts with.
@@ -196,8 +215,14 @@ class CacheManager:
         """The session's view as the policy sees it (GPU blocks estimated without kv.events)."""
         v = self.builder.view(session_id)
         s = self._sessions.get(session_id)
-        if s is not None and not s.kv_seen:
-            v = replace(v, gpu_blocks=-(-v.context_tokens // self.config.block_size))
+        if s is not None:
+            if not s.kv_seen:
+                v = replace(v, gpu_blocks=-(-v.context_tokens // self.config.block_size))
+            elif s.completed_call != s.reported_call:
+                # The call's KV events are still on their way (the bridge polls the engine):
+                # right after a call its whole context is on the GPU.
+                estimate = -(-v.context_tokens // self.config.block_size)
+                v = replace(v, gpu_blocks=max(v.gpu_blocks, estimate))
         return v
 
     def memory(self, needed_blocks: int = 0) -> MemoryState:
@@ -231,12 +256,17 @@ class CacheManager:
             self._recharge(session_id, s)
         elif isinstance(body, LLMCallStarted):
             s.need = -(-(body.prompt_tokens + body.max_output_tokens) // self.config.block_size)
+            self._max_need = max(self._max_need, s.need)
             s.host_reserved = 0  # the call brings swapped blocks back
             self._set_hold(session_id, s, Hold.ACTIVE)
             if self.gpu_used > self.config.gpu_total_blocks:
-                self._evict(event_id, session_id, now, out)
+                self._evict(event_id, now, out, reserve=0)
         elif isinstance(body, LLMCallCompleted):
+            s.completed_call = body.call_id
             self._set_hold(session_id, s, Hold.NONE)  # vLLM frees the call's blocks (cached, LRU)
+        elif isinstance(body, KVCacheHit):
+            s.reported_call = body.call_id  # the engine's events of that call are all in (the hit comes last)
+            self._recharge(session_id, s)
         elif isinstance(body, ToolCallProposed):
             self._decide(event_id, "gap", session_id, s, now, out)
         elif isinstance(body, SessionFinished | SessionFailed):
@@ -267,12 +297,25 @@ class CacheManager:
         decisions = self.policy.decide([view], now, memory, delays)
         return decisions[0] if decisions else None
 
+    @property
+    def headroom(self) -> int:
+        """Blocks a PRESERVE leaves free of pins for the next call."""
+        h = self.config.headroom_blocks
+        return self._max_need if h is None else h
+
     def _decide(self, trigger_id: str, kind: str, sid: SessionId, s: _Session, now: float, out: list[Decided]) -> None:
         if s.hold is Hold.ACTIVE:
             return  # blocks in use (an event of the next call was read first)
         decision = self._decide_one(self.view(sid), now)
         if decision is not None:
             self._record(Decided(decision_event_id(trigger_id, kind, sid), trigger_id, kind, now, decision), s, out)
+            self._keep_headroom(trigger_id, now, out)
+
+    def _keep_headroom(self, trigger_id: str, now: float, out: list[Decided]) -> None:
+        """After a PRESERVE: pins must leave the next call room, else the lowest scores go
+        (the new pin included: it competes like any other)."""
+        if self.gpu_used + self.headroom > self.config.gpu_total_blocks:
+            self._evict(trigger_id, now, out, reserve=self.headroom)
 
     def _record(self, decided: Decided, s: _Session, out: list[Decided]) -> None:
         d = decided.decision
@@ -288,13 +331,13 @@ class CacheManager:
             self._compact()
         out.append(decided)
 
-    def _evict(self, trigger_id: str, requester: SessionId, now: float, out: list[Decided]) -> None:
-        """Evict pinned sessions, lowest score first, until the GPU is not over-committed."""
+    def _evict(self, trigger_id: str, now: float, out: list[Decided], *, reserve: int) -> None:
+        """Evict pinned sessions, lowest score first, until ``reserve`` blocks are free."""
         delays = self.delays()
-        while self.gpu_used > self.config.gpu_total_blocks and self._candidates:
+        while self.gpu_used + reserve > self.config.gpu_total_blocks and self._candidates:
             _, sid, version = heapq.heappop(self._candidates)
             s = self._sessions[sid]
-            if s.version != version or s.hold is not Hold.PINNED or sid == requester:
+            if s.version != version or s.hold is not Hold.PINNED:
                 continue  # stale: the session's hold changed since it was pushed
             view = self.view(sid)
             host_free = max(0, self.config.host_total_blocks - self.host_used)
@@ -317,7 +360,7 @@ class CacheManager:
     def _expire(self, until: float, out: list[Decided]) -> None:
         """Decide again for every pinned session whose TTL ends at or before ``until``."""
         while self._expiries and self._expiries[0][0] <= until:
-            end, sid, version = heapq.heappop(self._expiries)
+            _, sid, version = heapq.heappop(self._expiries)
             s = self._sessions[sid]
             if s.version != version or s.hold is not Hold.PINNED:
                 continue
@@ -328,6 +371,7 @@ class CacheManager:
             if decision is not None:
                 trigger = s.pin_id
                 self._record(Decided(decision_event_id(trigger, "ttl", sid), trigger, "ttl", until, decision), s, out)
+                self._keep_headroom(trigger, until, out)
 
     # ------------------------------------------------------------------ memory
 

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.unit
 class Feed:
     """Builds events for one manager and remembers their ids."""
 
-    def __init__(self, *, gpu: int = 100, host: int = 0) -> None:
-        self.manager = CacheManager(ManagerConfig(gpu_total_blocks=gpu, host_total_blocks=host))
+    def __init__(self, *, gpu: int = 100, host: int = 0, headroom: int | None = 0) -> None:
+        config = ManagerConfig(gpu_total_blocks=gpu, host_total_blocks=host, headroom_blocks=headroom)
+        self.manager = CacheManager(config)
         self.ids = itertools.count()
         self.last_id = ""
 
@@ -125,6 +126,20 @@ def test_memory_pressure_evicts_pinned_sessions_lowest_score_first_until_the_cal
     assert feed.manager.hold(SessionId("b")) is Hold.PINNED
 
 
+def test_a_preserve_leaves_the_largest_call_room_else_the_lowest_scores_go() -> None:
+    feed = Feed(gpu=100, headroom=None)  # headroom: the largest call so far
+    feed.pinned("b", 0.0, 624)  # 40 blocks; largest call 40: 40 + 40 <= 100
+    feed.pinned("a", 1.0, 304)  # 20 blocks: 60 + 40 <= 100
+    assert feed.manager.headroom == 40 and feed.manager.gpu_used == 60
+    assert feed.turn("c", 2.0, 144) == []  # 10 blocks
+    decided = feed.propose("c", 2.3)  # pinned: 70 + 40 > 100, so the lowest score goes: c itself
+    assert actions(decided) == [("c", CacheAction.PRESERVE, "gap"), ("c", CacheAction.RELEASE, "pressure")]
+    assert decided[1].trigger_id == decided[0].trigger_id
+    assert decided[1].event_id == decision_event_id(decided[0].trigger_id, "pressure", "c")
+    assert feed.manager.gpu_used == 60
+    assert feed.manager.hold(SessionId("c")) is Hold.RELEASED
+
+
 def test_under_pressure_a_victim_is_swapped_while_the_host_has_room() -> None:
     feed = Feed(gpu=100, host=15)
     for sid, at, prompt in (("a", 0.0, 304), ("b", 1.0, 624), ("c", 2.0, 144)):
@@ -200,6 +215,9 @@ def test_kv_events_replace_the_token_estimate() -> None:
     hashes = [f"h{i}" for i in range(5)]
     stored = ev.KVBlocksStored(engine_id="e", block_hashes=hashes, num_tokens=80, block_size=16, tier=KVTier.GPU)
     feed.send("a", stored, 0.3)
+    assert feed.manager.gpu_used == 20  # the call is not reported yet: its context counts
+    hit = ev.KVCacheHit(engine_id="e", call_id="c", cached_tokens=0, prompt_tokens=304, tier=KVTier.GPU)
+    feed.send("a", hit, 0.3)
     assert feed.manager.gpu_used == 5
     feed.send(
         "a", ev.KVBlocksStored(engine_id="e", block_hashes=hashes, num_tokens=80, block_size=16, tier=KVTier.GPU), 0.4
@@ -238,3 +256,18 @@ def test_stale_heap_entries_are_compacted() -> None:
 def test_bad_capacity_is_refused() -> None:
     with pytest.raises(ValueError, match="gpu_total_blocks > 0"):
         ManagerConfig(gpu_total_blocks=0)
+
+
+def test_until_the_engine_reports_a_call_its_context_counts_as_held() -> None:
+    feed = Feed()
+    hashes = [f"h{i}" for i in range(4)]
+    stored = ev.KVBlocksStored(engine_id="e", block_hashes=hashes, num_tokens=64, block_size=16, tier=KVTier.GPU)
+    feed.send("a", stored, 0.0)
+    feed.send("a", ev.KVBlocksRemoved(engine_id="e", block_hashes=hashes, tier=KVTier.GPU), 0.1)  # swapped out
+    feed.turn("a", 1.0, 304)  # the call's KV events are late: 320 tokens are on the GPU now
+    (decided,) = feed.propose("a", 1.2)
+    assert decided.decision.num_blocks == 20
+    hit = ev.KVCacheHit(engine_id="e", call_id="c", cached_tokens=0, prompt_tokens=304, tier=KVTier.GPU)
+    feed.send("a", hit, 1.3)  # reported, with no blocks stored: the log's count (0) stands
+    assert feed.manager.view(SessionId("a")).gpu_blocks == 0
+    assert feed.manager.gpu_used == 0
