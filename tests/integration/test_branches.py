@@ -30,21 +30,22 @@ LLM: dict[str, Any] = {"llm": {"prompt_tokens": 64, "output_tokens": 8}}
 
 
 class Env:
-    """The stack, the log and the ledger of one test."""
+    """The stack, the log and the ledger of one test (the log is Postgres unless ``log_url`` says Kafka)."""
 
-    def __init__(self, pg_url: str, namespace: str, stack: Stack) -> None:
+    def __init__(self, pg_url: str, namespace: str, stack: Stack, log_url: str | None = None) -> None:
         self.pg_url = pg_url
+        self.log_url = log_url or pg_url
         self.namespace = namespace
         self.stack = stack
         self.runner = CliRunner()
 
     def logctl(self, *argv: str) -> Any:
-        result = self.runner.invoke(app, [*argv, "--log-url", self.pg_url], env={"AGENTLOG_NAMESPACE": self.namespace})
-        return result
+        env = {"AGENTLOG_NAMESPACE": self.namespace}
+        return self.runner.invoke(app, [*argv, "--log-url", self.log_url], env=env)
 
     def request(self, session: str, steps: list[dict[str, Any]]) -> None:
         async def go() -> None:
-            async with open_log(self.pg_url, actor="operator", namespace=self.namespace) as log:
+            async with open_log(self.log_url, actor="operator", namespace=self.namespace) as log:
                 args = json.dumps({"steps": steps})
                 await log.append(session, ev.SessionRequested(program="script", args_json=args, author="test"))
 
@@ -52,7 +53,7 @@ class Env:
 
     def history(self, session: str) -> list[LoggedEvent]:
         async def go() -> list[LoggedEvent]:
-            async with open_log(self.pg_url, actor="auditor", namespace=self.namespace) as log:
+            async with open_log(self.log_url, actor="auditor", namespace=self.namespace) as log:
                 return await log.history(session)
 
         return asyncio.run(go())
@@ -102,6 +103,22 @@ def env(pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyP
     stack.start()
     try:
         yield Env(pg_url, namespace, stack)
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def kafka_env(
+    kafka_bootstrap: str, pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Env]:
+    """The same on the Kafka log (snapshots and the ledger stay in Postgres)."""
+    monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
+    log_url = f"kafka://{kafka_bootstrap}"
+    ensure_topics(log_url, namespace=namespace)
+    stack = Stack(log_url, tmp_path, time_scale=0.05, extra_env={"AGENTLOG_LEDGER_URL": pg_url})
+    stack.start()
+    try:
+        yield Env(pg_url, namespace, stack, log_url)
     finally:
         stack.stop()
 
@@ -283,3 +300,30 @@ def test_merge_conflicts_on_a_shared_resource_and_merges_cleanly_otherwise(env: 
     assert all(f"{booker}.fork-1.{i}" in conflict.conflicts[0] for i in range(2))
     unknown = env.logctl("merge", parent, "--from", "ghost-branch")
     assert unknown.exit_code != 0 and "no branch session 'ghost-branch'" in unknown.output
+
+
+def test_on_kafka_a_fork_reuses_the_prefix_and_its_restore_compensates_its_own_booking(kafka_env: Env) -> None:
+    env = kafka_env
+    parent = f"kp-{uuid.uuid4().hex[:6]}"
+    steps: list[dict[str, Any]] = [
+        {"llm": {"prompt_tokens": 160, "output_tokens": 8}},
+        {"checkpoint": True},
+        {"tool": "book", "arguments": {"resource": "k-1"}},
+        LLM,
+    ]
+    env.request(parent, steps)
+    env.wait(parent, finished, timeout_s=90)
+    child = f"{parent}-f"
+    assert env.logctl("fork", parent, "--at", "ckpt-1", "--as", child).exit_code == 0
+    state = env.wait(child, finished, timeout_s=90)
+    first = next(e.body for e in env.history(child) if isinstance(e.body, ev.LLMCallCompleted))
+    assert first.cached_tokens >= 160 and first.call_id == "llm-3"
+    assert "llm-0" not in state.llm_calls, "the fork's log holds its own events only: its history is by reference"
+    # The fork booked on its own (its step 2 is after the fork point); restoring it undoes only that.
+    assert env.logctl("checkpoint", child, "--id", "end").exit_code == 0
+    restored = env.logctl("restore", child, "--to", "ckpt-1", "--json")
+    assert restored.exit_code == 0, restored.output
+    assert json.loads(restored.output.strip().splitlines()[-1])["compensated_call_ids"] == ["tool-2"]
+    env.wait(child, lambda s: s.finished and s.generation == 1, timeout_s=90)
+    assert [b["status"] for b in env.ledger("bookings", child)] == ["cancelled", "booked"]
+    assert [b["status"] for b in env.ledger("bookings", parent)] == ["booked"], "the parent's booking is untouched"
