@@ -14,7 +14,8 @@ the log already holds.
 Branches (docs/branches.md):
 
 - **checkpoints**: ``CheckpointTaken`` records, besides its cut, the *step
-  bound* of the fold at that moment (one more than the highest step index).
+  bound* of the fold at that moment (one more than the highest index of the
+  session's own steps).
   The bound is a function of agent.actions alone (every step begins there), so
   every reader computes the same bound whatever order it reads other topics in;
 - **restore**: ``RestoreApplied`` moves every step at or after the
@@ -132,14 +133,13 @@ class ToolCall:
     failure: ev.ToolCallFailed | None = None
     in_doubt: ev.ToolCallInDoubt | None = None
     approvals: list[ev.ApprovalGiven] = field(default_factory=list)
+    origin: str | None = None
+    """For a fork's inherited call: the session that made it (None: this session)."""
 
     @property
     def arguments(self) -> dict[str, Any]:
         args: dict[str, Any] = json.loads(self.proposed.arguments_json)
         return args
-
-    origin: str | None = None
-    """For a fork's inherited call: the session that made it (None: this session)."""
 
     @property
     def done(self) -> bool:
