@@ -264,7 +264,14 @@ class SessionState:
 
     @property
     def pending_commands(self) -> list[Command]:
-        return [c for c in self.commands if c.event_id not in self.answered]
+        """Commands no event has answered yet, oldest first. A checkpoint request whose id is
+        taken already is done (a retried request, or a second one with the same id)."""
+        return [
+            c
+            for c in self.commands
+            if c.event_id not in self.answered
+            and not (isinstance(c.body, ev.CheckpointRequested) and c.body.checkpoint_id in self.checkpoints)
+        ]
 
     def compensations(self) -> Iterator[ToolCall]:
         return (t for t in self.tool_calls.values() if t.call_id.startswith(COMPENSATION_PREFIX))

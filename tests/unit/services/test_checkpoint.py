@@ -191,3 +191,14 @@ def test_automatic_checkpoints_every_n_events() -> None:
     for checkpoint_id in automatic:
         assert state_to_json(world.replay_from_snapshot("s", checkpoint_id)) == state_to_json(state)
     assert not isinstance(next_move(state, PROGRAMS["script"], checkpoint_every=8), TakeCheckpoint)
+
+
+def test_a_second_checkpoint_request_with_a_taken_id_does_not_block_the_session() -> None:
+    world = World()
+    world.request("s", [LLM, ECHO, LLM])
+    world.planner("s")
+    world.operator("s", ev.CheckpointRequested(author="t", checkpoint_id="mine"))
+    world.operator("s", ev.CheckpointRequested(author="t", checkpoint_id="mine"))
+    world.settle()
+    state = world.state("s")
+    assert state.finished and list(state.checkpoints) == ["mine"] and not state.pending_commands
