@@ -46,14 +46,11 @@ gpu_free_blocks / gpu_total_blocks`` and ``horizon = max_horizon_s * (1 - pressu
 ascending (score, session id) order (lowest first; ties by id); for each:
 
 1. finished: DISCARD (nothing will reuse its private blocks; shared ones stay);
-2. while ``deficit > 0``: RELEASE it to the engine's LRU (unpinned: its blocks are
-   freed tail first and only as many as the engine needs, a lazy discard that keeps
-   the prefix) when there is no ``host room`` (below) or when only ``k = min(deficit,
-   reclaimable)`` of its ``b`` blocks are needed (``k < b``) and recomputing that tail,
-   ``p * recompute_ms(k * block_size, (b - k) * block_size)``, is cheaper than the
-   swap round trip of all ``b`` blocks, ``2 * swap_ms(b)``; else SWAP. The deficit
-   drops by the blocks it frees (``reclaimable``);
-3. else, if ``D > horizon``: SWAP when ``host room`` and no call waits
+2. while ``deficit > 0``: SWAP when ``host room`` (below) is worth its cost, else
+   RELEASE it to the engine's LRU (unpinned: its blocks are freed tail first and
+   only as many as the engine needs, a lazy discard that keeps the prefix). The
+   deficit drops by the blocks it frees (``reclaimable``, default ``b``);
+3. else, if ``D > horizon``: SWAP when ``can_swap(b, host_free)`` and no call waits
    (``queued_calls == 0``: the transfer then costs no one any time); PRESERVE with
    ``ttl = min_ttl_s`` when swapping pays (``swap_pays``) but calls wait (the
    offload is deferred to an idle moment instead of delaying the queue; re-scored
@@ -62,20 +59,28 @@ ascending (score, session id) order (lowest first; ties by id); for each:
 4. else PRESERVE with ``ttl = clamp(ttl_factor * D, min_ttl_s, max_ttl_s)``,
    re-scored when it ends.
 
-``host room`` for a candidate of ``b`` blocks: ``can_swap(b, host_free)``; failing
-that, when swapping is cheaper than recomputing and the host residents whose host
-score is lower than the candidate's (taken in ascending (host score, session id)
-order) hold enough blocks to make room, those residents are DISCARDed first
-(decisions emitted before the candidate's SWAP, in that order): Belady on the host
-tier, weighted by size, so a context that returns soon displaces one that returns
-late instead of being recomputed. Each resident is discarded at most once.
+**Host room under a deficit** for a candidate of ``b`` blocks of which ``k =
+min(deficit, reclaimable, b)`` are needed now. Releasing it loses the recompute of
+the ``k`` tail blocks the engine will evict, ``loss = p * recompute_ms(k *
+block_size, (b - k) * block_size)`` (``release_loss_ms``); swapping costs the round
+trip of all ``b``, ``2 * swap_ms(b)``. With ``budget = loss - 2 * swap_ms(b)``: no
+SWAP unless ``swap_pays(b)`` and ``budget > 0``; if ``b <= host_free``, SWAP.
+Otherwise host residents are displaced (DISCARDed, their decisions emitted before the
+candidate's SWAP, in order) in ascending (host score, session id) order, only those
+whose host score is below the candidate's, each charging its expected recompute
+``p_r * (recompute_ms(h_r * block_size) - swap_ms(h_r))`` to the budget, until their
+``h_r`` host blocks make room; if the budget runs out first, or they cannot make
+room, nobody is displaced and the candidate is RELEASEd. Each resident is discarded
+at most once per call. This is Belady on the host tier, weighted by size and cost: a
+context that returns soon displaces one that returns late only when that saves
+recompute.
 
 Cost: one sort of the GPU candidates and one of the host residents per call
 (``O(n log n)``); the rest is linear.
 
 **One session** (``decide_session``): what ``decide`` would decide for that view
-alone when nothing is needed (``needed_blocks`` is ignored, no resident is
-discarded): rules 1, 3 and 4 with the memory given; None when the view is not a GPU
+alone when nothing is needed (``needed_blocks`` is ignored; no resident is ever
+displaced without a deficit): rules 1, 3 and 4 with the memory given; None when the view is not a GPU
 candidate. ``decide_session(v, ...) == (decide([v], ...) or [None])[0]`` whenever
 ``needed_blocks <= gpu_free_blocks``. It is O(1), for per-event managers.
 """
