@@ -45,6 +45,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -214,7 +215,7 @@ class VllmServer:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.process is not None:
-            stop_group(self.process.pid, timeout_s)
+            stop_group(self.process.pid, timeout_s, reap=self.process.poll)
             self.process.wait()
             self.process = None
 
@@ -225,14 +226,17 @@ class VllmServer:
         self.stop()
 
 
-def stop_group(pid: int, timeout_s: float = 30.0) -> None:
-    """SIGTERM the server's process group, SIGKILL it after ``timeout_s``."""
+def stop_group(pid: int, timeout_s: float = 30.0, reap: Callable[[], object] | None = None) -> None:
+    """SIGTERM the server's process group, SIGKILL it after ``timeout_s``. ``reap`` collects our
+    own child's exit status (else, a zombie, it would count as alive)."""
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if reap is not None:
+            reap()
         try:
             os.killpg(pid, 0)
         except ProcessLookupError:
