@@ -24,7 +24,13 @@ Then, from the log alone:
   interleaved as they come), so its order differs from the replay's; where an event
   of one topic overtakes one of another (a ``KVBlocksStored`` read after the proposal
   it precedes, a tool duration learned later), decisions can differ. A second replay
-  in topic-major order (all of one topic, then the next) shows how much order alone moves.
+  in topic-major order (all of one topic, then the next) shows how much order alone moves,
+  and a third in the order the records entered Kafka (their CreateTime, ms; ties by
+  ``occurred_at``) approximates the order the worker read them in: it separates what
+  the order changes from what the worker's plumbing (decoding, time scale, replay
+  rules) might. Last, ``worker_order`` replays the exact order the worker folded the
+  events in (it writes it with ``--order-log``): it must agree fully, or the worker
+  and the in-process manager are not the same function of the same input.
 - **effect**: the same sessions without the cache manager and the bridge (the engine's
   vLLM-like baseline: blocks freed at the end of each call, LRU reuse) side by side:
   mean and p95 job time (trace time), prompt tokens served from the cache.
@@ -115,7 +121,13 @@ def run_stack(name: str, log_url: str, namespace: str, sessions: list[TraceSessi
         time_scale=args.time_scale,
         cache_manager=with_cache_manager,
         engine_args=engine_args,
-        cache_manager_args=[*engine_args, "--engine-id", config.engine_id],
+        cache_manager_args=[
+            *engine_args,
+            "--engine-id",
+            config.engine_id,
+            "--order-log",
+            str(work / name / "order.log"),
+        ],
         extra_env={"AGENTLOG_NAMESPACE": namespace},
     )
     run_id = uuid.uuid4().hex[:6]
@@ -199,7 +211,45 @@ def compare(worker: dict[str, CacheDecisionMade], replayed: dict[str, Decided], 
     }
 
 
-async def agreement(log_url: str, namespace: str, config: ManagerConfig, time_scale: float) -> dict[str, Any]:
+def append_times(bootstrap: str, namespace: str, topics: list[str]) -> dict[tuple[str, int, int], int]:
+    """Each record's Kafka timestamp (the producer's CreateTime, ms): when it entered the log,
+    which is about when a caught-up consumer could first read it."""
+    from kafka import KafkaConsumer, TopicPartition  # type: ignore[import-untyped,unused-ignore]
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    try:
+        tps = [
+            TopicPartition(f"{namespace}.{t}", p)
+            for t in topics
+            for p in consumer.partitions_for_topic(f"{namespace}.{t}") or ()
+        ]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        out: dict[tuple[str, int, int], int] = {}
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            for tp, messages in consumer.poll(timeout_ms=1000).items():
+                for m in messages:
+                    out[(tp.topic.removeprefix(f"{namespace}."), tp.partition, m.offset)] = m.timestamp
+        return out
+    finally:
+        consumer.close()
+
+
+def read_order(path: Path) -> list[tuple[str, int, int]]:
+    """The positions the worker folded, in its order (``--order-log``)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        topic, partition, offset = line.split()
+        out.append((topic, int(partition), int(offset)))
+    return out
+
+
+async def agreement(
+    log_url: str, namespace: str, config: ManagerConfig, time_scale: float, order_log: Path | None = None
+) -> dict[str, Any]:
     async with open_log(log_url, actor="auditor", namespace=namespace) as log:
         events: list[tuple[str, Envelope, int, int]] = []
         for topic in INPUT_TOPICS:
@@ -209,12 +259,19 @@ async def agreement(log_url: str, namespace: str, config: ManagerConfig, time_sc
     order = topic_table.TOPIC_ORDER
     by_time = sorted(events, key=lambda x: (x[1].occurred_at, order[x[0]], x[2], x[3]))
     by_topic = sorted(events, key=lambda x: (order[x[0]], x[2], x[3]))
+    appended = append_times(log_url.removeprefix("kafka://"), namespace, list(INPUT_TOPICS))
+    by_append = sorted(events, key=lambda x: (appended[(x[0], x[2], x[3])], x[1].occurred_at, order[x[0]], x[3]))
+    at = {(t, p, o): i for i, (t, p, o) in enumerate(read_order(order_log))} if order_log else {}
+    by_worker = sorted(events, key=lambda x: (at.get((x[0], x[2], x[3]), len(at)), x[1].occurred_at))
     kinds = Counter(type(e.body).__name__ for _, e, _, _ in events)
     return {
         "events": len(events),
         "event_mix": dict(kinds),
         "time_order": compare(worker, replay(by_time, config, time_scale), time_scale),
         "topic_major": compare(worker, replay(by_topic, config, time_scale), time_scale),
+        "append_order": compare(worker, replay(by_append, config, time_scale), time_scale),
+        "worker_order": compare(worker, replay(by_worker, config, time_scale), time_scale),
+        "worker_order_events": len(at),
     }
 
 
@@ -253,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     namespace = f"fs{uuid.uuid4().hex[:8]}"
     results.append(run_stack("cache-manager", log_url, namespace, sessions, args, config, True, work))
     print(f"  with the cache manager: {results[-1].wall_s:.1f} s wall", flush=True)
-    agreed = asyncio.run(agreement(log_url, namespace, config, args.time_scale))
+    agreed = asyncio.run(agreement(log_url, namespace, config, args.time_scale, work / "cache-manager" / "order.log"))
     if not args.no_baseline:
         results.append(run_stack("baseline", log_url, f"fs{uuid.uuid4().hex[:8]}", sessions, args, config, False, work))
         print(f"  baseline (no cache manager): {results[-1].wall_s:.1f} s wall", flush=True)
@@ -266,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(header)
     print("-" * len(header))
-    for name in ("time_order", "topic_major"):
+    for name in ("worker_order", "time_order", "append_order", "topic_major"):
         c = agreed[name]
         print(f"{name:<14} {c['ids']:>6} {c['agree']:>6} {c['differ']:>6} {c['worker_only']:>11} "
               f"{c['replay_only']:>11} {c['agreement']:>9.1%}")  # fmt: skip

@@ -340,7 +340,8 @@ async def run_worker(bootstrap: str, namespace: str, config: ManagerConfig, num_
         # the last poll's append is part of the work
         end = max(worker.last, worker.first)
         return Row(f"Kafka worker (poll {max_records}, append)", stats.num_events, end - worker.first,
-                   stats.num_decisions, stats.decide_s, [], stats.ready_s, stats.appended_s)  # fmt: skip
+                   stats.num_decisions, stats.decide_s, stats.decide_cpu_s, stats.ready_s,
+                   stats.appended_s)  # fmt: skip
 
 
 def delete_namespace(bootstrap: str, namespace: str) -> None:

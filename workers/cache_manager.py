@@ -58,7 +58,8 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 from log import Draft, LoggedEvent, SharedLog
 from schemas import events as ev
@@ -87,6 +88,7 @@ class WorkerStats:
     num_skipped: int = 0  # events read a second time (a partition that came back): not folded again
     record_latency: bool = False
     decide_s: list[float] = field(default_factory=list)  # fold+decide of one triggering event
+    decide_cpu_s: list[float] = field(default_factory=list)  # the same in CPU time (no preemption)
     ready_s: list[float] = field(default_factory=list)  # poll return -> its decisions ready
     appended_s: list[float] = field(default_factory=list)  # poll return -> append acknowledged
 
@@ -129,6 +131,7 @@ class CacheManagerWorker:
         stats: WorkerStats | None = None,
         recover: bool = True,
         commit_every_s: float = 1.0,
+        order_log: Path | None = None,
     ) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
@@ -143,6 +146,8 @@ class CacheManagerWorker:
         self.stats = stats if stats is not None else WorkerStats()
         self.recover = recover
         self.commit_every_s = commit_every_s
+        # "topic partition offset" of every event folded, in order (checks replay the same order).
+        self._order_log: TextIO | None = order_log.open("a") if order_log is not None else None
         """False: every event read is new (no replay rules); benchmarks reading a backlog."""
         self.caught_up = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -172,6 +177,9 @@ class CacheManagerWorker:
             help="log seconds per simulated second (as for the engine and the executor)",
         )
         parser.add_argument("--max-records", type=int, default=500, help="events per poll (one append per poll)")
+        parser.add_argument(
+            "--order-log", type=Path, default=None, help="write the position of every event folded, in order"
+        )
 
     @classmethod
     async def create(cls, log: SharedLog, args: argparse.Namespace) -> CacheManagerWorker:
@@ -189,10 +197,13 @@ class CacheManagerWorker:
             instance_id=args.instance_id,
             time_scale=args.time_scale,
             max_records=args.max_records,
+            order_log=args.order_log,
         )
 
     async def close(self) -> None:
-        pass
+        if self._order_log is not None:
+            self._order_log.close()
+            self._order_log = None
 
     def shutdown(self) -> None:
         """Ask ``run()`` to stop after the current poll (its decisions appended and committed)."""
@@ -278,6 +289,8 @@ class CacheManagerWorker:
         drafts: list[Draft] = []
         ready: list[float] = []
         stats = self.stats
+        if self._order_log is not None and events:
+            self._order_log.flush()
         apply = self.manager.apply
         scale = self.time_scale
         seen = self._next_offset
@@ -288,8 +301,10 @@ class CacheManagerWorker:
                 stats.num_skipped += 1  # read again after a rebalance: already folded
                 continue
             seen[tp] = position.offset + 1
+            if self._order_log is not None:
+                self._order_log.write(f"{position.topic} {position.partition} {position.offset}\n")
             envelope = event.envelope
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.thread_time()
             body = scaled(envelope.body, scale)
             decided = apply(
                 envelope.event_id, SessionId(envelope.session_id), body, envelope.occurred_at.timestamp() / scale
@@ -299,6 +314,7 @@ class CacheManagerWorker:
                 continue
             if stats.record_latency:
                 now = time.perf_counter()
+                stats.decide_cpu_s.append(time.thread_time() - began_cpu)
                 stats.decide_s.append(now - began)
                 stats.ready_s.append(now - received)
             stats.num_decisions += len(decided)

@@ -22,8 +22,8 @@ session held before the call (none, after a swap-out). A session is *charged*
 
 Everything else is free or evictable (the engine's LRU, as vLLM frees blocks at the
 end of each call). ``used = sum(charged)``, ``gpu_free = max(0, total - used)``. The
-host tier is charged ``max(reserved, host blocks from kv.events)`` per swapped session
-(``reserved``: blocks of its SWAP decision), until its next LLM call swaps it back.
+host tier is charged, per session, its host blocks from kv.events, and at least the
+blocks its SWAP decision reserved while the session is swapped.
 
 **Triggers** (each decision's ``trigger_id`` is the event that caused it; its event id
 is ``uuid5(NAMESPACE, f"{trigger_id}/{kind}/{session_id}")``, so re-deciding the same
@@ -393,10 +393,10 @@ class CacheManager:
             charged = 0
         self.gpu_used += charged - s.charged
         s.charged = charged
-        host_charged = 0
-        if hold is Hold.SWAPPED:
-            host_blocks = self.builder.view(sid).host_blocks if s.kv_seen else 0
-            host_charged = max(s.host_reserved, host_blocks)
+        # The host holds what kv.events says (whatever we decided since), and at least what a
+        # SWAP of ours reserved until its blocks show up there.
+        host_blocks = self.builder.view(sid).host_blocks if s.kv_seen else 0
+        host_charged = max(s.host_reserved if hold is Hold.SWAPPED else 0, host_blocks)
         self.host_used += host_charged - s.host_charged
         s.host_charged = host_charged
 

@@ -271,3 +271,17 @@ def test_until_the_engine_reports_a_call_its_context_counts_as_held() -> None:
     feed.send("a", hit, 1.3)  # reported, with no blocks stored: the log's count (0) stands
     assert feed.manager.view(SessionId("a")).gpu_blocks == 0
     assert feed.manager.gpu_used == 0
+
+
+def test_the_host_is_charged_what_kv_events_put_there_whoever_decided_it() -> None:
+    feed = Feed(gpu=100, host=15)
+    on_host = ev.KVBlocksStored(
+        engine_id="e", block_hashes=["x0", "x1", "x2", "x3", "x4", "x5"], num_tokens=96, block_size=16, tier=KVTier.CPU
+    )
+    feed.send("z", on_host, 0.0)  # a session we never swapped holds 6 host blocks
+    assert feed.manager.host_used == 6
+    for sid, at, prompt in (("a", 0.0, 304), ("b", 1.0, 624), ("c", 2.0, 144)):
+        feed.pinned(sid, at, prompt)
+    decided = feed.llm("d", 3.0, 944)
+    # c (10 blocks) no longer fits in the 9 host blocks left: both are released
+    assert actions(decided) == [("c", CacheAction.RELEASE, "pressure"), ("a", CacheAction.RELEASE, "pressure")]
