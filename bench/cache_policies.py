@@ -894,6 +894,30 @@ def write_csv(rows: list[Row], path: Path) -> None:
             writer.writerow([getattr(r, name) for name in Row.__slots__])
 
 
+def write_markdown(rows: list[Row], path: Path) -> None:
+    """Per workload, mean JCT (s) and recomputed prompt tokens per policy as Markdown tables."""
+    policies = list(dict.fromkeys(r.policy for r in rows))
+    lines: list[str] = []
+    for workload in dict.fromkeys(r.workload for r in rows):
+        mine = [r for r in rows if r.workload == workload]
+        lines += [f"#### {workload} (mean JCT without queueing or reloads: {mine[0].floor_jct:.2f} s)", ""]
+        columns: tuple[tuple[str, Callable[[Row], str]], ...] = (
+            ("mean JCT (s)", lambda r: f"{r.mean_jct:.2f}"),
+            ("p95 JCT (s)", lambda r: f"{r.p95_jct:.1f}"),
+            ("prompt tokens recomputed", lambda r: str(r.recomputed)),
+        )
+        for title, value in columns:
+            lines += [f"{title}:", ""]
+            lines.append(f"| load | capacity | blocks | {' | '.join(policies)} |")
+            lines.append("|---" * (3 + len(policies)) + "|")
+            for (_, load, capacity), cell in _groups(mine).items():
+                first = next(iter(cell.values()))
+                values = " | ".join(value(cell[p]) if p in cell else "" for p in policies)
+                lines.append(f"| {load:g} | {capacity:.0%} | {first.gpu_blocks} | {values} |")
+            lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+
+
 def write_png(rows: list[Row], path: Path) -> None:
     try:
         import matplotlib
@@ -934,6 +958,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", type=Path, help="write every row to this CSV file")
     parser.add_argument("--png", type=Path, help="plot mean JCT vs memory pressure (needs matplotlib)")
     parser.add_argument("--txt", type=Path, help="also write the tables to this file")
+    parser.add_argument("--md", type=Path, help="write Markdown tables (mean/p95 JCT, recomputed tokens)")
     parser.add_argument("--workloads", help="comma-separated subset of the workloads (default: all)")
     parser.add_argument(
         "--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES)
@@ -953,6 +978,8 @@ def main(argv: list[str] | None = None) -> int:
         write_csv(rows, args.csv)
     if args.png:
         write_png(rows, args.png)
+    if args.md:
+        write_markdown(rows, args.md)
     print(f"\n{len(rows)} runs in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return 0
 

@@ -22,6 +22,7 @@ from bench.cache_policies import (
     run_one,
     service_s,
     write_csv,
+    write_markdown,
     write_png,
 )
 from services.engine.cost import CostModel
@@ -130,3 +131,12 @@ def test_tables_goals_csv_and_png(tmp_path, capsys) -> None:  # type: ignore[no-
     assert len(lines) == 5
     write_png(_rows(), tmp_path / "out.png")
     assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_markdown_tables(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    write_markdown(_rows(), tmp_path / "t.md")
+    text = (tmp_path / "t.md").read_text()
+    assert "#### infercept (mean JCT without queueing or reloads: 1.00 s)" in text
+    assert "| load | capacity | blocks | vllm | kvflow | ours | oracle |" in text
+    assert "| 0.5 | 50% | 10 | 2.40 | 2.20 | 2.00 | 2.00 |" in text  # mean JCT
+    assert "| 0.5 | 50% | 10 | 10 | 6 | 6 | 5 |" in text  # recomputed tokens
