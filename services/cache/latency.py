@@ -13,6 +13,9 @@ mean; memoryless, so its mean residual life is ``m`` at any age):
   once a tool has run longer than every sample, the prior alone answers (``m``): the
   estimate never reaches 0 for a call that is still running.
 
+Samples are kept sorted in chunks with per-chunk sums, so an observation costs no
+rebuild and every query is ``O(log n + 256 + n / 256)`` (the linear parts in C).
+
 Pure: no clock; durations and ages are parameters.
 """
 
@@ -20,28 +23,68 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
 
 __all__ = ["ToolLatencyModel"]
 
 
-@dataclass(slots=True)
+_CHUNK = 256  # a chunk splits in two when it grows past twice this
+
+
 class _Samples:
-    sorted_s: list[float] = field(default_factory=list)
-    # suffix sums: suffix[i] = sum(sorted_s[i:]); rebuilt lazily
-    suffix: list[float] | None = None
+    """Sorted durations kept as sorted chunks with per-chunk sums (a sorted list in chunks).
+
+    ``observe`` and every query cost ``O(log n + _CHUNK + n / _CHUNK)``, with the linear
+    parts in C (list slices and ``sum``): no full rebuild after an observation, so a
+    manager that observes a tool and then decides stays fast with many samples.
+    """
+
+    __slots__ = ("chunks", "lens", "maxes", "sums")
+
+    def __init__(self) -> None:
+        self.chunks: list[list[float]] = []  # each sorted; chunk i's max <= chunk i+1's min
+        self.maxes: list[float] = []
+        self.sums: list[float] = []
+        self.lens: list[int] = []
+
+    def __len__(self) -> int:
+        return sum(self.lens)
 
     def add(self, value: float) -> None:
-        bisect.insort(self.sorted_s, value)
-        self.suffix = None
+        if not self.chunks:
+            self.chunks, self.maxes, self.sums, self.lens = [[value]], [value], [value], [1]
+            return
+        i = min(bisect.bisect_left(self.maxes, value), len(self.chunks) - 1)
+        chunk = self.chunks[i]
+        bisect.insort(chunk, value)
+        self.maxes[i] = chunk[-1]
+        self.sums[i] += value
+        self.lens[i] += 1
+        if len(chunk) > 2 * _CHUNK:
+            low, high = chunk[:_CHUNK], chunk[_CHUNK:]
+            self.chunks[i : i + 1] = [low, high]
+            self.maxes[i : i + 1] = [low[-1], high[-1]]
+            self.sums[i : i + 1] = [math.fsum(low), math.fsum(high)]
+            self.lens[i : i + 1] = [len(low), len(high)]
 
-    def suffix_sums(self) -> list[float]:
-        if self.suffix is None:
-            sums = [0.0] * (len(self.sorted_s) + 1)
-            for i in range(len(self.sorted_s) - 1, -1, -1):
-                sums[i] = sums[i + 1] + self.sorted_s[i]
-            self.suffix = sums
-        return self.suffix
+    def count_at_most(self, t: float) -> int:
+        """How many samples are ``<= t``."""
+        i = bisect.bisect_right(self.maxes, t)
+        below = sum(self.lens[:i])
+        if i < len(self.chunks):
+            below += bisect.bisect_right(self.chunks[i], t)
+        return below
+
+    def above(self, x: float) -> tuple[int, float]:
+        """How many samples are ``> x``, and their sum."""
+        i = bisect.bisect_right(self.maxes, x)
+        if i == len(self.chunks):
+            return 0, 0.0
+        chunk = self.chunks[i]
+        j = bisect.bisect_right(chunk, x)
+        return len(chunk) - j + sum(self.lens[i + 1 :]), sum(chunk[j:]) + sum(self.sums[i + 1 :])
+
+    def values(self) -> list[float]:
+        return [v for chunk in self.chunks for v in chunk]
 
 
 class ToolLatencyModel:
@@ -65,7 +108,7 @@ class ToolLatencyModel:
 
     def num_samples(self, tool: str) -> int:
         samples = self._samples.get(tool)
-        return 0 if samples is None else len(samples.sorted_s)
+        return 0 if samples is None else len(samples)
 
     def _prior(self, tool: str) -> float:
         return self.prior_means_s.get(tool, self.prior_mean_s)
@@ -76,9 +119,8 @@ class ToolLatencyModel:
             return 0.0
         m, k = self._prior(tool), self.prior_weight
         samples = self._samples.get(tool)
-        data = samples.sorted_s if samples is not None else []
-        below = bisect.bisect_right(data, t)
-        return (below + k * (1.0 - math.exp(-t / m))) / (len(data) + k)
+        below, n = (0, 0) if samples is None else (samples.count_at_most(t), len(samples))
+        return (below + k * (1.0 - math.exp(-t / m))) / (n + k)
 
     def mean(self, tool: str) -> float:
         """Expected duration of a new call (``MRL(0)``)."""
@@ -92,12 +134,11 @@ class ToolLatencyModel:
         samples = self._samples.get(tool)
         if samples is None:
             return m
-        start = bisect.bisect_right(samples.sorted_s, x)
-        count = len(samples.sorted_s) - start
-        excess = samples.suffix_sums()[start] - count * x
+        count, total = samples.above(x)
+        excess = total - count * x
         return (excess + prior_mass * m) / (count + prior_mass) if count + prior_mass > 0 else m
 
     def quantiles(self, tool: str) -> list[float]:
         """The observed durations of ``tool``, sorted (candidate TTLs for a policy)."""
         samples = self._samples.get(tool)
-        return list(samples.sorted_s) if samples is not None else []
+        return samples.values() if samples is not None else []

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -55,6 +56,23 @@ def test_mean_residual_life_blends_samples_and_prior() -> None:
     assert model.quantiles("search") == [1.0, 2.0, 3.0]
     with pytest.raises(ValueError):
         model.observe("search", -1.0)
+
+
+def test_many_samples_match_a_brute_force_distribution() -> None:
+    # Enough samples, in random order with duplicates, to split the sorted chunks many times.
+    rng = random.Random(7)
+    values = [round(rng.lognormvariate(1.0, 1.0), 2) for _ in range(3000)]
+    model = ToolLatencyModel(prior_mean_s=5.0, prior_weight=1.0)
+    for v in values:
+        model.observe("t", v)
+    assert model.num_samples("t") == 3000 and model.quantiles("t") == sorted(values)
+    for x in (0.0, 0.5, 2.72, 10.0, 55.0, 200.0):
+        above = [v for v in values if v > x]
+        prior_mass = math.exp(-x / 5.0)
+        brute = (sum(v - x for v in above) + prior_mass * 5.0) / (len(above) + prior_mass)
+        assert model.mean_residual_life("t", x) == pytest.approx(brute, rel=1e-9)
+        below = sum(1 for v in values if v <= x)
+        assert model.cdf("t", x) == pytest.approx((below + 1 - math.exp(-x / 5.0)) / 3001, rel=1e-12)
 
 
 # ------------------------------------------------------------------ view builder
