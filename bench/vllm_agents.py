@@ -2,7 +2,7 @@
 
 Run::
 
-    python -m bench.vllm_agents [--sessions 24] [--rate 0.2] [--time-scale 0.02] [--blocks 64] [--seed 0]
+    python -m bench.vllm_agents [--sessions 24] [--rate 0.2] [--time-scale 0.02] [--blocks 40] [--seed 0]
                                 [--url URL --kv-events EP --kv-replay EP --control EP]
 
 (``make bench-vllm``; about 1-2 minutes on 2 cores with the tiny model, ~40 s of it starting vLLM.)
@@ -309,7 +309,7 @@ def print_table(results: dict[str, dict[str, ModeResult]], out: Any = sys.stdout
             file=out,
         )
     print(
-        "(*) simulator job times: trace seconds with its A100 cost model; real: wall seconds, tools compressed.",
+        "real job times: wall seconds (tools compressed); (*) simulator: trace seconds",
         file=out,
     )
 
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=24)
     parser.add_argument("--rate", type=float, default=0.2, help="session arrivals per trace second")
     parser.add_argument("--time-scale", type=float, default=0.02, help="wall seconds per trace second of tools")
-    parser.add_argument("--blocks", type=int, default=64, help="vLLM's KV pool, blocks of 32 tokens")
+    parser.add_argument("--blocks", type=int, default=40, help="vLLM's KV pool, blocks of 32 tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=str(repo_root() / ".cache" / "tiny-llama"))
     parser.add_argument("--url", help="a running server (with --kv-events, --kv-replay, --control); default: start one")

@@ -147,3 +147,28 @@ def test_pins_are_released_under_pressure_in_ranked_order(vllm: Vllm) -> None:
         assert await c.cached(contexts["p-high"] + c.tokens(8), "p-high") == per_pin * c.block_size
 
     run(vllm, scenario)
+
+
+def test_a_running_call_that_outgrows_the_free_blocks_takes_a_pin_instead_of_being_preempted(vllm: Vllm) -> None:
+    async def preemptions(c: VllmClient) -> float:
+        async with c.http.get(f"{c.vllm.url}/metrics") as response:
+            text = await response.text()
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_preemptions_total"))
+
+    async def scenario(c: VllmClient) -> None:
+        usable = c.num_gpu_blocks - 1
+        per_pin = (usable - 7) // 2  # leaves 7 free blocks
+        for session, score in (("p-low", 1.0), ("p-high", 2.0)):
+            await c.complete(c.tokens(context_len(c, per_pin)), session, agentlog_hold_s=60, agentlog_score=score)
+        status = await c.status()
+        before, free = len(status["pressure_releases"]), status["num_free_blocks"]
+        preempted = await preemptions(c)
+        # Admitted with a 4-block prompt, it then decodes past the free blocks.
+        prompt = 4 * c.block_size
+        await c.complete(c.tokens(prompt), "grows", max_tokens=(free + 1) * c.block_size - prompt, ignore_eos=True)
+        status = await c.status()
+        assert status["pressure_releases"][before:] == ["p-low"]
+        assert list(status["pins"]) == ["p-high"]
+        assert await preemptions(c) == preempted, "vLLM preempted (and recomputed) a running call"
+
+    run(vllm, scenario)

@@ -181,14 +181,27 @@ class AgentlogScheduler(Scheduler):  # type: ignore[misc]
             hits.extend(blocks)
         return hits
 
+    def _blocks_to_grow(self) -> int:
+        """New blocks the running requests need to reach their next token (decode growth, or the
+        rest of a chunked prefill): without them vLLM preempts a running request (recompute)."""
+        need = 0
+        for request in self.running:
+            held = len(self.kv_cache_manager.get_block_ids(request.request_id)[0])
+            need += max(0, _cdiv(request.num_tokens + 1, self.block_size) - held)
+        return need
+
     def _relieve_pressure(self) -> None:
-        if not self._pins or not self.waiting:
+        if not self._pins:
             return
-        request = self.waiting.peek_request()
-        for pin in self._pins.victims(exclude=[request.session_id] if request.session_id else []):
-            hits = self._cached_prefix(request)
-            need = _cdiv(request.num_tokens + 1, self.block_size) - len(hits)
-            free = self._pool.get_num_free_blocks() - sum(1 for b in hits if b.ref_cnt == 0)
+        head = self.waiting.peek_request() if self.waiting else None
+        exclude = [head.session_id] if head is not None and head.session_id else []
+        for pin in self._pins.victims(exclude=exclude):
+            need = self._blocks_to_grow()
+            free = self._pool.get_num_free_blocks()
+            if head is not None:
+                hits = self._cached_prefix(head)
+                need += _cdiv(head.num_tokens + 1, self.block_size) - len(hits)
+                free -= sum(1 for b in hits if b.ref_cnt == 0)
             if free >= need:
                 return
             self._pins.pop(pin.session_id)
