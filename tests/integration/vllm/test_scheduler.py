@@ -153,7 +153,8 @@ def test_a_running_call_that_outgrows_the_free_blocks_takes_a_pin_instead_of_bei
     async def preemptions(c: VllmClient) -> float:
         async with c.http.get(f"{c.vllm.url}/metrics") as response:
             text = await response.text()
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_preemptions_total"))
+        counters = [line for line in text.splitlines() if line.startswith("vllm:num_preemptions_total")]
+        return sum(float(line.split()[-1]) for line in counters)
 
     async def scenario(c: VllmClient) -> None:
         usable = c.num_gpu_blocks - 1
