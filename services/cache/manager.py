@@ -8,12 +8,15 @@ the same events in the same order always give the same decisions and ids.
 **Memory model** (from the log alone, never from the engine). ``gpu_total_blocks`` and
 ``host_total_blocks`` come from configuration. A session's GPU blocks are the blocks
 ``kv.events`` says it holds on the GPU; a session with no KV event at all (no engine
-bridge) is assumed to hold ``ceil(context_tokens / block_size)``, and so is one whose
-last completed call's KV events have not arrived yet (at least: the maximum of both).
-The engine reports a call's blocks, then its ``KVCacheHit``; the bridge polls the
-engine, so those often reach the log after the planner's ``LLMCallCompleted`` and
-``ToolCallProposed``, and without this the gap decision would see the blocks the
-session held before the call (none, after a swap-out). A session is *charged*
+bridge) is assumed to hold ``ceil(context_tokens / block_size)``. Right after an LLM
+call a session holds its whole context on the GPU (``ceil((prompt + output) /
+block_size)``, the *floor*), including prefix blocks it reused from other sessions,
+which its own ``KVBlocksStored`` never list; the floor stands until the engine removes
+blocks of the session after reporting that call (its ``KVCacheHit`` comes last), and the
+session's count is the larger of the floor and its own blocks. The bridge polls the
+engine, so a call's KV events often reach the log after the planner's
+``LLMCallCompleted`` and ``ToolCallProposed``: without the floor the gap decision would
+see the blocks held before the call (none, after a swap-out). A session is *charged*
 (its blocks are not free) while
 
 - in an LLM call (``LLMCallStarted`` .. ``LLMCallCompleted``): ``max(need, held)``
@@ -180,6 +183,7 @@ class _Session:
     kv_seen: bool = False  # kv.events told us about it (else blocks are estimated from tokens)
     completed_call: str = ""  # the last LLM call the planner reported done
     reported_call: str = ""  # the last LLM call the engine's KV events reported (KVCacheHit)
+    floor: int = 0  # blocks of the context its last call left on the GPU, until the engine removes some
     pin_id: str = ""  # event id of the PRESERVE decision (the trigger of its TTL end)
 
 
@@ -218,11 +222,8 @@ class CacheManager:
         if s is not None:
             if not s.kv_seen:
                 v = replace(v, gpu_blocks=-(-v.context_tokens // self.config.block_size))
-            elif s.completed_call != s.reported_call:
-                # The call's KV events are still on their way (the bridge polls the engine):
-                # right after a call its whole context is on the GPU.
-                estimate = -(-v.context_tokens // self.config.block_size)
-                v = replace(v, gpu_blocks=max(v.gpu_blocks, estimate))
+            elif s.floor > v.gpu_blocks:
+                v = replace(v, gpu_blocks=s.floor)
         return v
 
     def memory(self, needed_blocks: int = 0) -> MemoryState:
@@ -253,6 +254,8 @@ class CacheManager:
             s = self._sessions[session_id] = _Session()
         if isinstance(body, KVBlocksStored | KVBlocksRemoved):
             s.kv_seen = True
+            if isinstance(body, KVBlocksRemoved) and s.reported_call == s.completed_call:
+                s.floor = 0  # the engine is taking the context apart (LRU, a swap): count what is left
             self._recharge(session_id, s)
         elif isinstance(body, LLMCallStarted):
             s.need = -(-(body.prompt_tokens + body.max_output_tokens) // self.config.block_size)
@@ -263,6 +266,7 @@ class CacheManager:
                 self._evict(event_id, now, out, reserve=0)
         elif isinstance(body, LLMCallCompleted):
             s.completed_call = body.call_id
+            s.floor = -(-(body.prompt_tokens + body.output_tokens) // self.config.block_size)
             self._set_hold(session_id, s, Hold.NONE)  # vLLM frees the call's blocks (cached, LRU)
         elif isinstance(body, KVCacheHit):
             s.reported_call = body.call_id  # the engine's events of that call are all in (the hit comes last)

@@ -208,23 +208,19 @@ def test_a_session_with_no_blocks_gets_no_decision() -> None:
     assert feed.send("a", ev.SessionFailed(reason="x", error_type="E"), 1.0) == []
 
 
-def test_kv_events_replace_the_token_estimate() -> None:
+def test_a_session_holds_its_last_calls_context_until_the_engine_removes_some() -> None:
     feed = Feed()
     feed.pinned("a", 0.0, 304)
-    assert feed.manager.gpu_used == 20  # estimated from 320 tokens
+    assert feed.manager.gpu_used == 20  # 320 tokens: estimated, no KV event yet
     hashes = [f"h{i}" for i in range(5)]
     stored = ev.KVBlocksStored(engine_id="e", block_hashes=hashes, num_tokens=80, block_size=16, tier=KVTier.GPU)
     feed.send("a", stored, 0.3)
-    assert feed.manager.gpu_used == 20  # the call is not reported yet: its context counts
-    hit = ev.KVCacheHit(engine_id="e", call_id="c", cached_tokens=0, prompt_tokens=304, tier=KVTier.GPU)
+    feed.send("a", stored, 0.3)  # the same hashes again: idempotent
+    hit = ev.KVCacheHit(engine_id="e", call_id="c", cached_tokens=240, prompt_tokens=304, tier=KVTier.GPU)
     feed.send("a", hit, 0.3)
-    assert feed.manager.gpu_used == 5
-    feed.send(
-        "a", ev.KVBlocksStored(engine_id="e", block_hashes=hashes, num_tokens=80, block_size=16, tier=KVTier.GPU), 0.4
-    )
-    assert feed.manager.gpu_used == 5  # the same hashes again: idempotent
+    assert feed.manager.gpu_used == 20  # 5 blocks of its own, 15 reused from another session's prefix
     feed.send("a", ev.KVBlocksRemoved(engine_id="e", block_hashes=hashes[3:], tier=KVTier.GPU), 0.5)
-    assert feed.manager.gpu_used == 3
+    assert feed.manager.gpu_used == 3  # the engine is taking it apart: what the log says is left
     assert feed.manager.view(SessionId("a")).gpu_blocks == 3
 
 
@@ -258,18 +254,19 @@ def test_bad_capacity_is_refused() -> None:
         ManagerConfig(gpu_total_blocks=0)
 
 
-def test_until_the_engine_reports_a_call_its_context_counts_as_held() -> None:
+def test_a_removal_read_before_the_calls_report_does_not_end_the_floor() -> None:
     feed = Feed()
     hashes = [f"h{i}" for i in range(4)]
     stored = ev.KVBlocksStored(engine_id="e", block_hashes=hashes, num_tokens=64, block_size=16, tier=KVTier.GPU)
     feed.send("a", stored, 0.0)
-    feed.send("a", ev.KVBlocksRemoved(engine_id="e", block_hashes=hashes, tier=KVTier.GPU), 0.1)  # swapped out
-    feed.turn("a", 1.0, 304)  # the call's KV events are late: 320 tokens are on the GPU now
+    feed.turn("a", 1.0, 304)  # the planner's events come first ...
+    feed.send("a", ev.KVBlocksRemoved(engine_id="e", block_hashes=hashes, tier=KVTier.GPU), 0.1)  # ... an old one
     (decided,) = feed.propose("a", 1.2)
-    assert decided.decision.num_blocks == 20
+    assert decided.decision.num_blocks == 20  # the call left its 320 tokens on the GPU
     hit = ev.KVCacheHit(engine_id="e", call_id="c", cached_tokens=0, prompt_tokens=304, tier=KVTier.GPU)
-    feed.send("a", hit, 1.3)  # reported, with no blocks stored: the log's count (0) stands
-    assert feed.manager.view(SessionId("a")).gpu_blocks == 0
+    feed.send("a", hit, 1.3)
+    assert feed.manager.gpu_used == 20
+    feed.send("a", ev.KVBlocksRemoved(engine_id="e", block_hashes=[], tier=KVTier.GPU), 1.4)
     assert feed.manager.gpu_used == 0
 
 
