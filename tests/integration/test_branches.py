@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from cli.common import ensure_topics
 from cli.main import app
 from cli.stack import Stack
 from log import LoggedEvent, open_log
+from log.backend import OutRecord
 from log.snapshots import SnapshotStore
 from schemas import events as ev
 from services.checkpoint import state_digest, state_to_json
@@ -204,6 +206,41 @@ def test_checkpoint_snapshot_and_replay_agree(env: Env) -> None:
     shown = [json.loads(env.logctl("state", session, *flag, "--json").output) for flag in ((), ("--from-start",))]
     assert shown[0]["digest"] == shown[1]["digest"] == state_digest(full.state)
     assert shown[0]["source"] == "snapshot after-finish" and shown[1]["source"] == "log"
+
+
+def test_replay_from_a_snapshot_trusts_no_record_after_the_cut(env: Env) -> None:
+    """A record after the cut that does not chain to the snapshot's tail is left out, as history() does."""
+    session = f"tamper-{uuid.uuid4().hex[:6]}"
+    env.request(session, [LLM, {"checkpoint": True}, {"tool": "echo", "arguments": {"text": "a"}}, LLM])
+    env.wait(session, finished)
+
+    async def forge_and_replay() -> tuple[Replayed, Replayed]:
+        async with (
+            open_log(env.pg_url, actor="executor", namespace=env.namespace) as log,
+            SnapshotStore(env.pg_url, env.namespace) as store,
+        ):
+            # A completion for a call that never ran, with a seq and prev_hash that do not chain.
+            forged = ev.ToolCallCompleted(call_id="tool-9", result_json="{}", result_tokens=1, duration_ms=0)
+            record, _ = log.codec.encode(
+                event_id="forged",
+                session_id=session,
+                seq=42,
+                actor="executor",
+                occurred_at=datetime.now(UTC),
+                causation_id=None,
+                prev_hash=bytes(32),
+                body=forged,
+            )
+            out = [OutRecord(log.partition_for(session), session.encode(), record)]
+            await (await log.backend.produce("agent.effects", out))
+            return await replay_session(log, store, session), await replay_session(
+                log, store, session, use_snapshot=False
+            )
+
+    from_snapshot, full = asyncio.run(forge_and_replay())
+    assert from_snapshot.source == "snapshot ckpt-1"
+    assert "tool-9" not in from_snapshot.state.early and "tool-9" not in full.state.early
+    assert state_to_json(from_snapshot.state) == state_to_json(full.state)
 
 
 def test_automatic_checkpoints_every_n_events(pg_url: str, namespace: str, tmp_path: Path) -> None:
