@@ -263,14 +263,15 @@ def next_move(state: SessionState, program: Program | None, *, checkpoint_every:
         if state.fork is None:
             return Idle("waiting for the fork's lineage record")
         return NeedBase(state.fork.parent_session_id, state.fork.checkpoint_id)
+    if state.cancel_requested and not state.finished:
+        # Before any pending command: a merge waiting for branches must not hold a cancel.
+        return FailSession("cancelled by an operator", "Cancelled")
     if command := _command_move(state):
         return command
     if state.finished:
         return Idle(f"session {state.status.value}")
     if program is None:
         return FailSession(f"unknown program {state.program!r}", "UnknownProgram")
-    if state.cancel_requested:
-        return FailSession("cancelled by an operator", "Cancelled")
     results, pending = recorded_results(state)
     if pending is None and checkpoint_every > 0 and not in_flight(state):
         last = next((c for c in reversed(state.checkpoints.values()) if not c.abandoned), None)

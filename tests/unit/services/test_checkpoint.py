@@ -16,9 +16,9 @@ from services.checkpoint import (
     state_from_json,
     state_to_json,
 )
-from services.planning import RefuseRestore, TakeCheckpoint, WaitFor, next_move
+from services.planning import MergeBranches, RefuseRestore, TakeCheckpoint, WaitFor, next_move
 from services.programs import PROGRAMS
-from services.session import step_of
+from services.session import SessionStatus, step_of
 from tests.unit.services.branch_world import World
 
 pytestmark = pytest.mark.unit
@@ -202,3 +202,16 @@ def test_a_second_checkpoint_request_with_a_taken_id_does_not_block_the_session(
     world.settle()
     state = world.state("s")
     assert state.finished and list(state.checkpoints) == ["mine"] and not state.pending_commands
+
+
+def test_a_cancel_is_not_held_by_a_merge_waiting_for_its_branches() -> None:
+    world = World()
+    world.request("p", [LLM, LLM])
+    world.request("slow", [LLM, ECHO, LLM])
+    world.planner("p")
+    world.operator("p", ev.MergeRequested(author="t", branch_session_ids=["slow"]))
+    assert isinstance(next_move(world.state("p"), PROGRAMS["script"]), MergeBranches)
+    assert not world.planner("p")  # waits: the branch has not finished
+    world.operator("p", ev.CancelRequested(author="t", reason="enough"))
+    world.planner("p")
+    assert world.state("p").status is SessionStatus.CANCELLED
