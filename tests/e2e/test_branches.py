@@ -32,9 +32,12 @@ LLM: dict[str, Any] = {"llm": {"prompt_tokens": 48, "output_tokens": 4}}
 
 
 class Crashy:
-    def __init__(self, pg_url: str, namespace: str, work: Path, victim: str, crash_at: str) -> None:
+    def __init__(
+        self, pg_url: str, namespace: str, work: Path, victim: str, crash_at: str, log_url: str | None = None
+    ) -> None:
         self.pg_url, self.namespace = pg_url, namespace
-        self.stack = Stack(pg_url, work, time_scale=0.05, extra_env={"AGENTLOG_LEDGER_URL": pg_url})
+        self.log_url = log_url or pg_url
+        self.stack = Stack(self.log_url, work, time_scale=0.05, extra_env={"AGENTLOG_LEDGER_URL": pg_url})
         self.victim, self.crash_at = victim, crash_at
         self.num_restarts = 0
 
@@ -56,11 +59,11 @@ class Crashy:
                 self.stack.start_process(name, {"AGENTLOG_CRASH_AT": ""})
 
     def logctl(self, *argv: str) -> Any:
-        return CliRunner().invoke(app, [*argv, "--log-url", self.pg_url], env={"AGENTLOG_NAMESPACE": self.namespace})
+        return CliRunner().invoke(app, [*argv, "--log-url", self.log_url], env={"AGENTLOG_NAMESPACE": self.namespace})
 
     def history(self, session: str) -> list[LoggedEvent]:
         async def go() -> list[LoggedEvent]:
-            async with open_log(self.pg_url, actor="auditor", namespace=self.namespace) as log:
+            async with open_log(self.log_url, actor="auditor", namespace=self.namespace) as log:
                 return await log.history(session)
 
         return asyncio.run(go())
@@ -70,7 +73,7 @@ class Crashy:
 
     def request(self, session: str, steps: list[dict[str, Any]]) -> None:
         async def go() -> None:
-            async with open_log(self.pg_url, actor="operator", namespace=self.namespace) as log:
+            async with open_log(self.log_url, actor="operator", namespace=self.namespace) as log:
                 body = ev.SessionRequested(program="script", args_json=json.dumps({"steps": steps}), author="t")
                 await log.append(session, body)
 
@@ -125,6 +128,20 @@ def test_a_crash_mid_restore_completes_it_exactly_once(
     monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
     ensure_topics(pg_url, namespace=namespace)
     run = Crashy(pg_url, namespace, tmp_path, victim, crash_at)
+    _restore_after_a_crash(run)
+
+
+def test_on_kafka_a_planner_killed_mid_restore_completes_it_exactly_once(
+    kafka_bootstrap: str, pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
+    log_url = f"kafka://{kafka_bootstrap}"
+    ensure_topics(log_url, namespace=namespace)
+    run = Crashy(pg_url, namespace, tmp_path, "planner-0", "planner.after_compensations:1", log_url)
+    _restore_after_a_crash(run)
+
+
+def _restore_after_a_crash(run: Crashy) -> None:
     run.start()
     try:
         session = f"rs-{uuid.uuid4().hex[:6]}"
