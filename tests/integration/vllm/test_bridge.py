@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -26,9 +27,10 @@ import pytest
 from cli.common import ensure_topics
 from log import LoggedEvent, open_log
 from schemas import events as ev
-from tests.integration.vllm.conftest import Vllm, VllmClient, vllm_client
+from tests.integration.vllm.conftest import NUM_GPU_BLOCKS, TINY_MODEL, Vllm, VllmClient, vllm_client
 from workers.engine_bridge.core import kv_event_id
 from workers.engine_bridge.vllm import SessionMap, VllmKVSource, decode_batch
+from workers.engines.vllm.server import VllmServer, VllmServerConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -157,3 +159,50 @@ async def read_until(
             quiet_polls = quiet_polls + 1 if have and not batch else 0
             bridge_alive(bridge, log_path)
     return logged
+
+
+def test_a_restarted_vllm_is_a_new_epoch_and_the_bridge_follows_it(
+    vllm: Vllm, pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM restarts under a running bridge: the new run's batches (numbered from 0 again) reach
+    the log under the new epoch, none of the old run's is appended twice."""
+    monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
+    ensure_topics(pg_url)
+    run_dir = Path(tempfile.mkdtemp(prefix="agentlog-vllm-restart-"))
+    config = VllmServerConfig(model=str(TINY_MODEL), run_dir=run_dir, num_gpu_blocks=NUM_GPU_BLOCKS)
+    if not Path(config.python).exists() or not (TINY_MODEL / "model.safetensors").exists():
+        pytest.skip("needs the vLLM venv and the tiny model to start a second server")
+    server = VllmServer(config).start()
+    own = Vllm(config.url, config.served_model_name, config.kv_events, config.kv_replay, config.control)
+    log_path = tmp_path / "bridge.log"
+
+    async def epoch_of(c: VllmClient) -> str:
+        return str((await c.control.call("hello"))["epoch"])
+
+    async def scenario() -> tuple[list[str], dict[str, tuple[str, ev.Event]], list[LoggedEvent]]:
+        bridge = start_bridge(own, pg_url, namespace, log_path)
+        try:
+            async with vllm_client(own) as c:
+                first = await epoch_of(c)
+                await traffic(c, ["a"], turns=1)
+            before = await expected_from_replay_buffer(own)  # the whole first run (its discards too)
+            await read_until(pg_url, set(before), bridge, log_path)
+            server.stop()
+            server.start()
+            async with vllm_client(own) as c:
+                second = await epoch_of(c)
+                await traffic(c, ["b"], turns=1)
+            after = await expected_from_replay_buffer(own)
+            logged = await read_until(pg_url, set(before) | set(after), bridge, log_path)
+            return [first, second], before | after, logged
+        finally:
+            bridge.send_signal(signal.SIGTERM)
+            bridge.wait(timeout=20)
+            server.stop()
+
+    epochs, expected, logged = asyncio.run(scenario())
+    assert epochs[0] != epochs[1]
+    ids = [e.envelope.event_id for e in logged]
+    assert len(ids) == len(set(ids)), "an event appended twice"
+    assert set(ids) == set(expected), "the log differs from what the two runs' replay buffers hold"
+    assert {e.session_id for e in logged if isinstance(e.body, ev.KVBlocksStored)} >= {"a", "b"}
