@@ -13,10 +13,14 @@ the same way (rules in ``services/checkpoint.py``, storage in ``log/snapshots.py
   when its cut matches, else from the log;
 - ``replay_session``: a session's current state, from its newest snapshot
   plus the records after its cut, or from its first event.
+
+A snapshot is used only if the state it holds still has its digest (the digest
+its ``CheckpointTaken`` carries on the log); otherwise the log is folded.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from log import LoggedEvent, SharedLog
@@ -35,6 +39,8 @@ from services.checkpoint import (
 )
 from services.session import SessionState
 
+_log = logging.getLogger(__name__)
+
 
 def cut_events(history: list[LoggedEvent]) -> list[CutEvent]:
     return [CutEvent(e.topic, e.position.offset, e.envelope) for e in history]
@@ -46,8 +52,8 @@ async def session_at(
     """A session folded up to one of its checkpoints (a fork's parent history added, recursively)."""
     if snapshots is not None:
         snapshot = await snapshots.get(session_id, checkpoint_id)
-        if snapshot is not None and snapshot.cut == cut:
-            return state_from_json(snapshot.state)
+        if snapshot is not None and snapshot.cut == cut and (state := _trusted(snapshot)) is not None:
+            return state
     state = fold_events(session_id, before_cut(cut_events(await log.history(session_id)), cut))
     await add_parent_history(log, snapshots, state)
     return state
@@ -105,12 +111,27 @@ async def replay_session(
 ) -> Replayed:
     """The session's state now: from its newest snapshot and the records after it, or from the first event."""
     snapshot = await snapshots.latest(session_id) if snapshots is not None and use_snapshot else None
-    if snapshot is None:
+    start = _trusted(snapshot) if snapshot is not None else None
+    if snapshot is None or start is None:
         history = await log.history(session_id, SESSION_TOPICS)
         state = fold_events(session_id, cut_events(history))
         await add_parent_history(log, snapshots, state)
         return Replayed(state, "log", len(history))
     tail = await read_tail(log, session_id, snapshot.cut, snapshot.tails)
-    state = fold_events(session_id, cut_events(tail), state_from_json(snapshot.state))
+    state = fold_events(session_id, cut_events(tail), start)
     await add_parent_history(log, snapshots, state)
     return Replayed(state, f"snapshot {snapshot.checkpoint_id}", len(tail))
+
+
+def _trusted(snapshot: Snapshot) -> SessionState | None:
+    """The snapshot's state if it still has the digest it was saved with (the one its
+    CheckpointTaken carries), else None: the caller folds the log instead."""
+    state = state_from_json(snapshot.state)
+    if state_digest(state) != snapshot.digest:
+        _log.warning(
+            "snapshot %s of %s does not match its digest; folding the log instead",
+            snapshot.checkpoint_id,
+            snapshot.session_id,
+        )
+        return None
+    return state

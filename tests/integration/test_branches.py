@@ -243,6 +243,35 @@ def test_replay_from_a_snapshot_trusts_no_record_after_the_cut(env: Env) -> None
     assert state_to_json(from_snapshot.state) == state_to_json(full.state)
 
 
+def test_a_snapshot_that_lost_its_digest_is_not_trusted(env: Env) -> None:
+    session = f"bad-{uuid.uuid4().hex[:6]}"
+    env.request(session, [LLM, {"checkpoint": True}, LLM])
+    env.wait(session, finished)
+
+    async def spoil_and_replay() -> tuple[Replayed, Replayed]:
+        conn = await asyncpg.connect(env.pg_url)
+        try:
+            await conn.execute(
+                "UPDATE agentlog_snapshots.snapshots SET state = jsonb_set(state, '{output_json}', '\"forged\"') "
+                "WHERE namespace = $1 AND session_id = $2",
+                env.namespace,
+                session,
+            )
+        finally:
+            await conn.close()
+        async with (
+            open_log(env.pg_url, actor="auditor", namespace=env.namespace) as log,
+            SnapshotStore(env.pg_url, env.namespace) as store,
+        ):
+            return await replay_session(log, store, session), await replay_session(
+                log, store, session, use_snapshot=False
+            )
+
+    replayed, full = asyncio.run(spoil_and_replay())
+    assert replayed.source == "log", "a snapshot whose state no longer has its digest is ignored"
+    assert state_to_json(replayed.state) == state_to_json(full.state) and replayed.state.output_json != '"forged"'
+
+
 def test_automatic_checkpoints_every_n_events(pg_url: str, namespace: str, tmp_path: Path) -> None:
     ensure_topics(pg_url, namespace=namespace)
     extra = {"AGENTLOG_LEDGER_URL": pg_url, "AGENTLOG_NAMESPACE": namespace, "AGENTLOG_CHECKPOINT_EVERY": "10"}
