@@ -59,24 +59,23 @@ ascending (score, session id) order (lowest first; ties by id); for each:
 4. else PRESERVE with ``ttl = clamp(ttl_factor * D, min_ttl_s, max_ttl_s)``,
    re-scored when it ends.
 
-**Host room under a deficit** for a candidate of ``b`` blocks of which ``k =
-min(deficit, reclaimable, b)`` are needed now. Releasing it loses the recompute of
-the ``k`` tail blocks the engine will evict, ``loss = p * recompute_ms(k *
-block_size, (b - k) * block_size)`` (``release_loss_ms``); swapping costs the round
-trip of all ``b``, ``2 * swap_ms(b)``. With ``budget = loss - 2 * swap_ms(b)``: no
-SWAP unless ``swap_pays(b)`` and ``budget > 0``; if ``b <= host_free``, SWAP.
-Otherwise host residents are displaced (DISCARDed, their decisions emitted before the
-candidate's SWAP, in order) in ascending (host score, session id) order, only those
-whose host score is below the candidate's, each charging its expected recompute
-``p_r * (recompute_ms(h_r * block_size) - swap_ms(h_r))`` to the budget, until their
-``h_r`` host blocks make room; if the budget runs out first, or they cannot make
-room, nobody is displaced and the candidate is RELEASEd. Each resident is discarded
-at most once per call. This is Belady on the host tier, weighted by size and cost: a
+**Host room under a deficit** for a candidate of ``b`` blocks. Releasing it loses,
+in expectation, the recompute of its whole context, ``loss = p *
+recompute_ms(b * block_size)`` (``release_loss_ms``): under a sustained deficit the
+engine's LRU keeps evicting a released context's blocks, tail first, until it
+returns (in the benchmark, charging only the tail the deficit needs now made
+``ours`` release too often and recompute more). Swapping costs the round trip
+``2 * swap_ms(b)``. With ``budget = loss - 2 * swap_ms(b)``: no SWAP unless
+``swap_pays(b)`` and ``budget > 0``; if ``b <= host_free``, SWAP. Otherwise host
+residents are displaced (DISCARDed, their decisions emitted before the candidate's
+SWAP, in order) in ascending (host score, session id) order, only those whose host
+score is below the candidate's, each charging its expected recompute ``p_r *
+(recompute_ms(h_r * block_size) - swap_ms(h_r))`` to the budget, until their ``h_r``
+host blocks make room; if the budget runs out first, or they cannot make room,
+nobody is displaced and the candidate is RELEASEd. Each resident is discarded at
+most once per call. This is Belady on the host tier, weighted by size and cost: a
 context that returns soon displaces one that returns late only when that saves
 recompute.
-
-Cost: one sort of the GPU candidates and one of the host residents per call
-(``O(n log n)``); the rest is linear.
 
 **One session** (``decide_session``): what ``decide`` would decide for that view
 alone when nothing is needed (``needed_blocks`` is ignored; no resident is ever
@@ -287,7 +286,7 @@ class CachePolicy:
             freed = view.gpu_blocks if memory.reclaimable is None else memory.reclaimable.get(sid, 0)
             if view.phase is not Phase.FINISHED and deficit > 0:
                 distance = self.next_reference_s(view, now, delays)
-                loss = self.release_loss_ms(view, min(deficit, freed))
+                loss = self.release_loss_ms(view)
                 room = self._host_room(view, now, host_free, delays, residents, loss)
                 if room is not None:
                     decisions.extend(room)
@@ -339,12 +338,10 @@ class CachePolicy:
             ], host_free
         return [CacheDecision(sid, CacheAction.SWAP, score, distance, blocks, reason=beyond)], host_free - blocks
 
-    def release_loss_ms(self, view: SessionView, needed: int) -> float:
-        """Expected cost of releasing the view when ``needed`` of its GPU blocks must go now: the
-        engine evicts them from the tail, which is recomputed (after the kept prefix) on return."""
-        b, bs = view.gpu_blocks, self.cost.block_size
-        k = max(0, min(needed, b))
-        return self.return_probability(view) * self.cost.recompute_ms(k * bs, (b - k) * bs)
+    def release_loss_ms(self, view: SessionView) -> float:
+        """Expected cost of releasing the view's GPU blocks to the LRU under pressure: its whole
+        context recomputed on return (see the module docstring)."""
+        return self.return_probability(view) * self.cost.recompute_ms(view.gpu_blocks * self.cost.block_size)
 
     def _host_room(
         self,

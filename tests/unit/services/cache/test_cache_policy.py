@@ -298,12 +298,14 @@ def test_a_near_return_displaces_far_host_residents() -> None:
     assert alone == [("x", CacheAction.RELEASE)]
 
 
-def test_under_deficit_a_cheap_tail_is_released_instead_of_swapping_everything() -> None:
+def test_displacing_residents_must_cost_less_than_the_release() -> None:
     p = _policy()
-    big = SessionView(S("big"), Phase.TOOL, tool="search", tool_started_at=0.0, gpu_blocks=100)
-    # 2 blocks needed: recomputing the 2 tail blocks (about 3.4 ms) beats the swap round trip of
-    # all 100 (about 21 ms).
-    small = MemoryState(gpu_total_blocks=200, gpu_free_blocks=0, host_free_blocks=500, needed_blocks=2)
-    assert [(d.session_id, d.action) for d in p.decide([big], 1.0, small)] == [("big", CacheAction.RELEASE)]
-    large = MemoryState(gpu_total_blocks=200, gpu_free_blocks=0, host_free_blocks=500, needed_blocks=100)
-    assert [(d.session_id, d.action) for d in p.decide([big], 1.0, large)] == [("big", CacheAction.SWAP)]
+    x = SessionView(S("x"), Phase.TOOL, tool="search", tool_started_at=0.0, gpu_blocks=10)
+    # A big far resident: its host score is lower, but recomputing its 200 blocks later costs
+    # more than recomputing x's 10 now, so it stays and x is released.
+    big = _resident("big", Phase.HUMAN, 200)
+    memory = MemoryState(gpu_total_blocks=100, gpu_free_blocks=0, host_free_blocks=3, needed_blocks=10)
+    assert p.host_score(big, 200, 1.0) < p.host_score(x, 10, 1.0)
+    got = [(d.session_id, d.action) for d in p.decide([big, x], 1.0, memory)]
+    assert got == [("x", CacheAction.RELEASE)]
+    assert p.release_loss_ms(x) == pytest.approx(p.cost.recompute_ms(160))
