@@ -14,7 +14,8 @@ divided by ``--time-scale`` (log seconds per simulated second, as for the engine
 executor), tool durations likewise; TTLs and distances are multiplied back when
 written, so ``ttl_ms`` is in log time, as the engine expects.
 
-**Each poll**: fold every event (``CacheManager.apply``) and append the poll's decisions
+**Each poll**: fold every event (``CacheManager.apply``), partitions merged by
+``occurred_at`` (each in offset order; see ``in_time_order``), and append the poll's decisions
 with one ``append_many``, which runs while the next poll is read and folded (at most one
 append in flight, so decisions land in order). Offsets are committed about once a second,
 after the appends before them landed; they serve monitoring (consumer lag), since
@@ -52,11 +53,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import logging
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -102,6 +104,19 @@ def scaled(body: Model, time_scale: float) -> Model:
     if time_scale != 1.0 and isinstance(body, ev.ToolCallCompleted | ev.ToolCallFailed):
         return body.model_copy(update={"duration_ms": body.duration_ms / time_scale})
     return body
+
+
+def in_time_order(events: Sequence[LoggedEvent]) -> Iterable[LoggedEvent]:
+    """One poll's events merged by ``occurred_at`` across partitions, each partition in offset
+    order. A poll hands out runs of one partition after another (topic by topic): folding
+    them in time order instead keeps a backlog's order (a restart's replay, a lagging
+    worker) close to the order things happened in, which is what the decisions depend on."""
+    runs: dict[tuple[str, int], list[LoggedEvent]] = {}
+    for event in events:
+        runs.setdefault((event.position.topic, event.position.partition), []).append(event)
+    if len(runs) <= 1:
+        return events
+    return heapq.merge(*runs.values(), key=lambda e: e.envelope.occurred_at)
 
 
 def logged_as_decided(previous: Decided, logged: CacheDecisionMade, time_scale: float) -> Decided:
@@ -294,7 +309,7 @@ class CacheManagerWorker:
         apply = self.manager.apply
         scale = self.time_scale
         seen = self._next_offset
-        for event in events:
+        for event in in_time_order(events):
             position = event.position
             tp = (position.topic, position.partition)
             if position.offset < seen.get(tp, 0):

@@ -14,7 +14,7 @@ from schemas import events as ev
 from schemas.events import CacheAction
 from services.cache.manager import ManagerConfig
 from tests.unit.services.helpers import envelope
-from workers.cache_manager import CacheManagerWorker, scaled
+from workers.cache_manager import CacheManagerWorker, in_time_order, scaled
 
 pytestmark = pytest.mark.unit
 
@@ -111,3 +111,14 @@ def test_events_read_again_after_a_rebalance_are_not_folded_twice() -> None:
     assert w.process(events, received=0.0)[0] == []  # the partition came back and was read from 0
     assert (w.stats.num_events, w.stats.num_skipped) == (3, 3)
     assert w.manager.builder.view("a").turns == 1  # type: ignore[arg-type]
+
+
+def test_a_polls_partitions_are_folded_in_time_order_each_in_offset_order() -> None:
+    early = gap("a", 0, 0.0)  # agent.actions[0] at 0.0 .. 0.2
+    late = [LoggedEvent(Position("agent.effects", 1, i), e.envelope) for i, e in enumerate(gap("b", 0, 5.0))]
+    assert [e.session_id for e in in_time_order(late + early)] == ["a"] * 3 + ["b"] * 3
+    assert list(in_time_order(early)) == early  # one partition: as it came
+    # a partition whose clock stepped back keeps its offset order (the fold relies on it)
+    backwards = [LoggedEvent(Position("kv.events", 2, i), e.envelope) for i, e in enumerate(gap("c", 0, 9.0)[::-1])]
+    merged = list(in_time_order(late + backwards))
+    assert [e.position.offset for e in merged if e.position.topic == "kv.events"] == [0, 1, 2]
