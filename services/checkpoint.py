@@ -126,9 +126,13 @@ def in_flight(state: SessionState) -> list[ToolCall]:
 
 
 def state_digest(state: SessionState) -> str:
-    data = state_to_json(state)
-    del data["applied"]
-    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return json_digest(state_to_json(state))
+
+
+def json_digest(data: Mapping[str, Any]) -> str:
+    """``state_digest`` of the state ``data`` is the JSON of (``state_to_json``), without rebuilding it."""
+    canonical = {k: v for k, v in data.items() if k != "applied"}
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 # ----------------------------------------------------------- serialization

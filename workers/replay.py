@@ -33,6 +33,7 @@ from services.checkpoint import (
     cut_of,
     effects_of,
     fold_events,
+    json_digest,
     state_digest,
     state_from_json,
     state_to_json,
@@ -126,12 +127,11 @@ async def replay_session(
 def _trusted(snapshot: Snapshot) -> SessionState | None:
     """The snapshot's state if it still has the digest it was saved with (the one its
     CheckpointTaken carries), else None: the caller folds the log instead."""
-    state = state_from_json(snapshot.state)
-    if state_digest(state) != snapshot.digest:
+    if json_digest(snapshot.state) != snapshot.digest:
         _log.warning(
             "snapshot %s of %s does not match its digest; folding the log instead",
             snapshot.checkpoint_id,
             snapshot.session_id,
         )
         return None
-    return state
+    return state_from_json(snapshot.state)

@@ -10,6 +10,7 @@ import pytest
 from schemas import events as ev
 from services.checkpoint import (
     cut_of,
+    json_digest,
     merge_plan,
     restore_plan,
     state_digest,
@@ -47,6 +48,7 @@ def test_a_checkpoint_records_cut_digest_and_effects_and_its_snapshot_replays_to
     ]
     # The digest is the fold of the records below the cut.
     assert checkpoint.taken.state_digest == state_digest(world.state_at("s", checkpoint.taken.cut))
+    assert json_digest(world.snapshots[("s", "ckpt-2")][1]) == checkpoint.taken.state_digest  # checked on load
     # Replaying from the snapshot gives the very same state as replaying from the first event.
     assert state_to_json(world.replay_from_snapshot("s", "ckpt-2")) == state_to_json(state)
     assert state_to_json(state_from_json(state_to_json(state))) == state_to_json(state)
