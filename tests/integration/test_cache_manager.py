@@ -7,7 +7,8 @@ is large (no pressure), so the expected decisions do not depend on the order in 
 the worker reads the topics: one PRESERVE per tool proposal, one DISCARD per finished
 session. The worker runs as ``python -m workers.cache_manager``; a crash point kills it
 (SIGKILL) before or after one of its appends; it is restarted; the log must then hold
-each expected decision exactly once.
+each expected decision exactly once, and a third start, re-deciding everything from the
+log, appends nothing.
 """
 
 from __future__ import annotations
@@ -170,6 +171,12 @@ def test_decisions_survive_a_kill_and_restart_exactly_once(
         time.sleep(2)  # anything extra would show up now
         worker.terminate()
         assert worker.wait(30) == 0
+
+        # A third start re-decides every event from the log and appends nothing.
+        worker = start_worker(url, namespace, tmp_path, None)
+        wait_for(lambda: log_path.read_text().count("caught up") == 3, "the third start to catch up")
+        worker.terminate()
+        assert worker.wait(30) == 0
     finally:
         if worker.poll() is None:
             worker.kill()
@@ -182,4 +189,6 @@ def test_decisions_survive_a_kill_and_restart_exactly_once(
     assert all(cause is not None for *_, cause in found)
     log_text = log_path.read_text()
     assert f"crash point {crash_at.split(':')[0]} reached" in log_text
-    assert "recovered=" in log_text
+    third = log_text.split("cache manager stopped:")[-1].splitlines()[0]  # the third run's totals
+    assert f"decisions={len(expected)} appended=0 replayed={len(expected)}" in third, third
+    assert "recovered=0 diverged=0" in third, third
