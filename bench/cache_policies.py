@@ -6,7 +6,7 @@ Run::
                                    [--seed S] [--workloads a,b] [--policies a,b]
 
 (``--quick``: fewer sessions per workload, about 2-3 minutes on one core; the full
-sweep takes about 15.) Results and the honest comparison: ``docs/cache-policies.md``.
+sweep takes 12-18 minutes.) Results and the honest comparison: ``docs/cache-policies.md``.
 
 What runs
 ---------
