@@ -70,7 +70,8 @@ from services.programs import PROGRAMS, Program
 from services.session import SessionState
 from services.tools import TOOLS, idempotency_key
 from workers.crash import crash_point
-from workers.engines import Engine, EngineError, EngineUnavailable, HttpEngine
+from workers.engines import Engine, EngineError, EngineUnavailable
+from workers.engines.factory import ENGINE_KINDS, create_engine
 from workers.replay import cut_events, session_at, take_checkpoint
 from workers.runtime import SessionWorker
 
@@ -114,6 +115,12 @@ class PlannerWorker(SessionWorker):
         )
         parser.add_argument("--engine-id", default="sim-0")
         parser.add_argument(
+            "--engine-kind",
+            choices=ENGINE_KINDS,
+            default=os.environ.get("AGENTLOG_ENGINE_KIND", "sim"),
+            help="sim (agentlog's simulated engine) or vllm (vLLM's OpenAI-compatible server)",
+        )
+        parser.add_argument(
             "--checkpoint-every",
             type=int,
             default=int(os.environ.get("AGENTLOG_CHECKPOINT_EVERY", "0")),
@@ -128,7 +135,7 @@ class PlannerWorker(SessionWorker):
 
     @classmethod
     async def create(cls, log: SharedLog, args: argparse.Namespace) -> PlannerWorker:
-        engine = HttpEngine(args.engine_url, engine_id=args.engine_id)
+        engine = create_engine(args.engine_url, engine_id=args.engine_id, kind=args.engine_kind)
         snapshots = None
         if url := snapshot_url(args.snapshot_url, args.log_url):
             snapshots = await SnapshotStore(url, log_namespace(log)).start()
