@@ -25,9 +25,10 @@ demo: install
 	$(VENV)/bin/logctl demo
 
 ## The whole test suite: real Kafka (from KAFKA_BOOTSTRAP_SERVERS, Docker, or started from
-## Maven Central jars) and real Postgres (AGENTLOG_PG_URL, or the embedded server).
-test: install
-	$(PY) -m pytest
+## Maven Central jars), real Postgres (AGENTLOG_PG_URL, or the embedded server) and real vLLM
+## (AGENTLOG_VLLM_URL, or a server the tests start from $(VLLM_VENV), installed on first use).
+test: install $(if $(AGENTLOG_VLLM_URL),,tiny-model)
+	AGENTLOG_VLLM_PYTHON=$${AGENTLOG_VLLM_PYTHON:-$(VLLM_VENV)/bin/python} AGENTLOG_REQUIRE_VLLM=1 $(PY) -m pytest
 
 test-unit: install
 	$(PY) -m pytest -m unit
