@@ -34,7 +34,7 @@ events after a restart appends nothing twice):
 
 - ``gap``: ``ToolCallProposed`` (the LLM call is done, a tool or a human is next) and
   ``end``: ``SessionFinished`` / ``SessionFailed``: the policy decides for that one
-  session (``CachePolicy.decide_session``, else ``decide([view])``) with the memory
+  session (``CachePolicy.decide_session``: what ``decide([view])`` does) with the memory
   state of the moment and no deficit: PRESERVE (pinned, TTL), SWAP, RELEASE or DISCARD.
   A session holding no blocks gets no decision.
 - ``pressure``: ``LLMCallStarted`` charges the call; if ``used > total`` the manager
@@ -293,13 +293,7 @@ class CacheManager:
     # ----------------------------------------------------------------- deciding
 
     def _decide_one(self, view: SessionView, now: float) -> CacheDecision | None:
-        memory, delays = self.memory(), self.delays()
-        decide_session = getattr(self.policy, "decide_session", None)
-        if decide_session is not None:
-            decision: CacheDecision | None = decide_session(view, now, memory, delays)
-            return decision
-        decisions = self.policy.decide([view], now, memory, delays)
-        return decisions[0] if decisions else None
+        return self.policy.decide_session(view, now, self.memory(), self.delays())
 
     @property
     def headroom(self) -> int:
