@@ -253,6 +253,7 @@ def test_decisions_steer_the_engine_cache(rig: Rig) -> None:
     rig.decide("big", CacheAction.PRESERVE, ttl_ms=600_000)
     rig.wait_for(lambda: "big" in rig.get("/stats")["pinned_sessions"], "the pin after a refused swap")
     assert "refused SWAP for big" in rig.bridge.log_tail(200)
+    assert "released big instead" in rig.bridge.log_tail(200)  # a refused swap falls back to RELEASE
 
     # A stale decision (made before the session's latest call: that gap is over) is skipped.
     rig.call("late", 0, 4 * BLOCK)
@@ -356,5 +357,37 @@ def test_kv_control_rejects_bad_input_and_refuses_what_the_cache_cannot_do(tmp_p
             async with http.get(f"{url}/kv_events", params={"after": "x"}) as response:
                 assert response.status == 400
         assert server.engine.cache.blocks_of("s").num_context_blocks == 0
+
+    asyncio.run(_with_server(tmp_path, 100, body))
+
+
+def test_a_call_that_does_not_fit_takes_the_lowest_ranked_pin(tmp_path: Path) -> None:
+    import aiohttp
+
+    async def body(server: Any, url: str) -> None:
+        async with aiohttp.ClientSession() as http:
+
+            async def control(session: str, action: str, **extra: Any) -> None:
+                payload = {"session_id": session, "action": action, **extra}
+                async with http.post(f"{url}/kv_control", json=payload) as response:
+                    assert response.status == 200, await response.text()
+
+            async def call(session: str, blocks: int) -> dict[str, Any]:
+                payload = {"request_id": f"{session}/0", "session_id": session,
+                           "prompt_runs": [[session, blocks * BLOCK]], "max_tokens": 1}  # fmt: skip
+                async with http.post(f"{url}/v1/completions", json=payload) as response:
+                    assert response.status == 200, await response.text()
+                    result: dict[str, Any] = await response.json()
+                    return result
+
+            await call("high", 4)
+            await control("high", "PRESERVE", ttl_ms=600_000, score=2.0)
+            await call("low", 4)
+            await control("low", "PRESERVE", ttl_ms=600_000, score=1.0)
+            await call("big", 12)  # 8 blocks are free: the lowest-ranked pin goes, not the call
+            pinned = {sid for sid in server.engine.cache.session_ids() if server.engine.cache.blocks_of(sid).pinned}
+            assert pinned == {"high"} and server.num_forced_releases == 1
+            await call("whole", 16)  # the whole cache: every pin goes
+            assert server.num_forced_releases == 2
 
     asyncio.run(_with_server(tmp_path, 100, body))

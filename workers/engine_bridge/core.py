@@ -16,7 +16,9 @@ Two loops run side by side:
   about one tool-call gap, so a *stale* one is skipped: a PRESERVE whose TTL had
   already run out when the bridge reads it, and any decision for a session the engine
   served a call to after the decision was made (the gap is over; a bridge catching up
-  after an outage must not swap out a session that is back at work).
+  after an outage must not swap out a session that is back at work). A SWAP the engine
+  refuses (no host room; no host tier at all) falls back to RELEASE: both free the
+  GPU blocks for others, a release keeps them cached until the LRU needs them.
 
 Engines plug in as modules ``workers.engine_bridge.<kind>`` with two functions,
 ``add_arguments(parser)`` and ``create(args) -> (KVSource, Actuator)``;
@@ -190,5 +192,14 @@ class EngineBridge:
         except ActuationRefused as refused:
             self.stats.num_decisions_refused += 1
             _log.warning("%s refused %s for %s: %s", self.engine_id, decision.action, session_id, refused)
-            return
+            if decision.action is not CacheAction.SWAP:
+                return
+            # A swap frees GPU memory for others; when the engine cannot swap (no host room,
+            # no host tier at all as on vLLM's CPU platform), releasing to its LRU still does.
+            fallback = decision.model_copy(update={"action": CacheAction.RELEASE})
+            try:
+                await self.actuator.apply(session_id, fallback)
+            except ActuationRefused:
+                return
+            _log.info("%s released %s instead", self.engine_id, session_id)
         self.stats.num_decisions_applied += 1

@@ -130,7 +130,12 @@ class SimActuator:
         self._http = aiohttp.ClientSession()
 
     async def apply(self, session_id: SessionId, decision: CacheDecisionMade) -> None:
-        payload = {"session_id": session_id, "action": str(decision.action), "ttl_ms": decision.ttl_ms}
+        payload = {
+            "session_id": session_id,
+            "action": str(decision.action),
+            "ttl_ms": decision.ttl_ms,
+            "score": decision.score,
+        }
         while True:
             try:
                 async with self._http.post(f"{self.url}/kv_control", json=payload) as response:

@@ -16,14 +16,18 @@ N still in the replay buffer (the newest ``--kv-buffer`` batches); ``first_seq >
 means the ones in between are gone.
 
 **Cache control** (``POST /kv_control``, the engine bridge's actuator): ``{"session_id",
-"action", "ttl_ms"}`` with a ``CacheAction`` value: ``PRESERVE`` pins the session's
-blocks until ``ttl_ms`` of log time from now (log time is wall-clock time; the engine
-divides it by ``--time-scale``), ``RELEASE`` unpins them (they stay cached,
+"action", "ttl_ms", "score"}`` with a ``CacheAction`` value: ``PRESERVE`` pins the
+session's blocks until ``ttl_ms`` of log time from now (log time is wall-clock time;
+the engine divides it by ``--time-scale``), ``RELEASE`` unpins them (they stay cached,
 LRU-evictable), ``DISCARD`` uncaches them, ``SWAP`` moves them to the host tier,
-``PREFETCH`` brings them back. Answers ``{"applied": true, "blocks": n}``, or status 409 with
-``{"applied": false, "reason"}`` when the cache refuses (no host room, the session is
-in a call). Without any control the engine is the vLLM-like baseline: blocks are
-freed when each call ends and reused LRU.
+``PREFETCH`` brings them back. Answers ``{"applied": true, "blocks": n}``, or status
+409 with ``{"applied": false, "reason"}`` when the cache refuses (no host room, the
+session is in a call). Without any control the engine is the vLLM-like baseline:
+blocks are freed when each call ends and reused LRU.
+
+**Pressure valve.** A call that does not fit releases the pin the cache manager ranked
+lowest (the PRESERVE's ``score``), then the next, until it fits
+(``num_forced_releases`` in ``/stats``): a pin never makes a call fail.
 
 The engine runs one request at a time (no batching: a simplification of
 vLLM's continuous batching; requests queue and ``queue_ms`` says for how
@@ -47,6 +51,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -60,7 +65,7 @@ from aiohttp import web
 
 from schemas.events import CacheAction, SessionId
 from services.engine.cost import CostModel
-from services.engine.kv_cache import KVCacheError, KVEvent, PagedKVCache
+from services.engine.kv_cache import KVCacheError, KVEvent, OutOfBlocks, PagedKVCache
 from services.engine.sim import SimEngine
 from services.programs.base import Prompt, TokenRun, output_run
 from workers.crash import crash_point
@@ -106,6 +111,8 @@ class SimServer:
         self.kv_batches: deque[dict[str, Any]] = deque(maxlen=kv_buffer)
         self.kv_seq = 0
         self.num_controls = 0
+        self.num_forced_releases = 0  # pins the pressure valve released for a call that did not fit
+        self.pin_scores: dict[str, float] = {}  # session -> the score of the PRESERVE that pinned it
         self._lock = asyncio.Lock()
         self._started = time.monotonic()
 
@@ -142,12 +149,17 @@ class SimServer:
         async with self._lock:
             queue_ms = (time.monotonic() - queued) * 1000 / max(self.time_scale, 1e-9)
             self.engine.cache.expire(self.now())  # TTLs end when the engine steps, like vLLM's scheduler
-            try:
-                result = self.engine.call(
-                    SessionId(session_id), token_ids, max_tokens, now=self.now(), output_token_ids=output_ids
-                )
-            except Exception as e:  # e.g. a prompt larger than the whole KV cache
-                return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
+            while True:
+                try:
+                    result = self.engine.call(
+                        SessionId(session_id), token_ids, max_tokens, now=self.now(), output_token_ids=output_ids
+                    )
+                    break
+                except OutOfBlocks as e:
+                    if not self._release_lowest_pin(exclude=session_id):
+                        return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
+                except Exception as e:  # e.g. a prompt larger than the whole KV cache
+                    return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
             await asyncio.sleep((result.swap_ms + result.prefill_ms + result.decode_ms) / 1000 * self.time_scale)
             extra = [
                 {
@@ -191,6 +203,25 @@ class SimServer:
         crash_point("engine.after_record")  # recorded, not answered: a retry is answered from the record
         return web.json_response(response)
 
+    def _release_lowest_pin(self, exclude: str) -> bool:
+        """The pressure valve: a call that does not fit takes the pin the cache manager ranked
+        lowest (its decision's score; then the earliest expiry, then the session id), as
+        vLLM's scheduler does with ours. A pinned cache must never turn into a failed call."""
+        cache = self.engine.cache
+        pinned = [(sid, cache.blocks_of(sid)) for sid in cache.session_ids() if sid != exclude]
+        ranked = sorted(
+            (self.pin_scores.get(sid, 0.0), blocks.pin_until if blocks.pin_until is not None else math.inf, sid)
+            for sid, blocks in pinned
+            if blocks.pinned
+        )
+        if not ranked:
+            return False
+        victim = ranked[0][2]
+        cache.release(victim)
+        self.num_forced_releases += 1
+        _log.info("released the pin of %s to make room (score %.3g)", victim, ranked[0][0])
+        return True
+
     def _swap_event(self, session_id: str, from_tier: str, to_tier: str, blocks: int, ms: float) -> dict[str, Any]:
         return {"kind": "swapped", "session_id": session_id, "from_tier": from_tier, "to_tier": to_tier,
                 "num_blocks": blocks, "duration_ms": ms}  # fmt: skip
@@ -214,6 +245,7 @@ class SimServer:
                 "num_served": self.num_served,
                 "num_replayed": self.num_replayed,
                 "num_controls": self.num_controls,
+                "num_forced_releases": self.num_forced_releases,
                 "kv_seq": self.kv_seq,
                 "gpu_blocks": cache.num_gpu_blocks,
                 "free_blocks": cache.num_free_blocks,
@@ -243,6 +275,7 @@ class SimServer:
             action = CacheAction(body["action"])
             ttl_ms = body.get("ttl_ms")
             ttl_s = None if ttl_ms is None else float(ttl_ms) / 1000
+            score = float(body.get("score") or 0.0)
         except (ValueError, KeyError, TypeError) as e:
             return web.json_response({"error": f"bad request: {e}"}, status=400)
         cache = self.engine.cache
@@ -253,6 +286,7 @@ class SimServer:
                 if action is CacheAction.PRESERVE:
                     until = None if ttl_s is None else now + ttl_s / max(self.time_scale, 1e-9)
                     blocks = cache.pin(session_id, until)
+                    self.pin_scores[session_id] = score
                 elif action is CacheAction.RELEASE:
                     blocks = cache.release(session_id)
                 elif action is CacheAction.DISCARD:
