@@ -37,6 +37,11 @@ def up(
     insecure: Annotated[
         bool, typer.Option("--insecure", help="Kafka without SASL/ACLs (default: every process logs in as its role)")
     ] = False,
+    cache_manager: Annotated[
+        bool, typer.Option("--cache-manager", help="Also run the engine bridge and the cache manager")
+    ] = False,
+    gpu_blocks: Annotated[int, typer.Option(help="The sim engine's KV cache, in blocks of 16 tokens")] = 8192,
+    host_blocks: Annotated[int, typer.Option(help="Its host tier (swap target), in blocks")] = 0,
 ) -> None:
     """Start the engine and every worker as local processes; Ctrl-C stops them gracefully.
 
@@ -55,7 +60,16 @@ def up(
         )
 
     directory = work_dir or data_dir() / "stack"
-    stack = Stack(log_url, directory, time_scale=time_scale, num_planners=planners)
+    memory = ["--gpu-blocks", str(gpu_blocks), "--host-blocks", str(host_blocks)]
+    stack = Stack(
+        log_url,
+        directory,
+        time_scale=time_scale,
+        num_planners=planners,
+        cache_manager=cache_manager,
+        engine_args=memory,
+        cache_manager_args=memory if cache_manager else [],
+    )
     ensure_topics(log_url)
     stack.start()
     for name, process in stack.processes.items():
