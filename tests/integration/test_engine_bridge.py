@@ -246,6 +246,7 @@ def test_decisions_steer_the_engine_cache(rig: Rig) -> None:
     compete("c3")
     reply = rig.call("swapped", 1, 5 * BLOCK)
     assert reply["agentlog"]["swapped_in_blocks"] == 4
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK  # not recomputed
 
     # A swap with no host room is refused and changes nothing; the bridge goes on.
     rig.call("big", 0, 10 * BLOCK)
@@ -268,6 +269,7 @@ def test_decisions_steer_the_engine_cache(rig: Rig) -> None:
     logged = rig.wait_until_logged()
     assert ("swapped", "swapped", "CPU", ("GPU", "4")) in logged  # out, charged at PCIe bandwidth
     assert ("swapped", "swapped", "GPU", ("CPU", "4")) in logged  # and back in by its next call
+    assert ("swapped", "hit", "CPU", ("1", str(4 * BLOCK))) in logged  # served from the host tier
     assert ("kept", "hit", "GPU", ("1", str(4 * BLOCK))) in logged
     assert ("swapped", "stored", "CPU") in {key[:3] for key in logged}  # fmt: skip
     assert any(key[0] == "kept" and key[1] == "removed" for key in logged)

@@ -172,6 +172,8 @@ class SimServer:
                 }
             ]
             if result.swapped_in_blocks:
+                swapped_tokens = result.prompt_tokens - result.computed_tokens - result.cached_tokens
+                extra.append({**extra[0], "cached_tokens": swapped_tokens, "tier": "CPU"})  # the host tier's hit
                 extra.append(self._swap_event(session_id, "CPU", "GPU", result.swapped_in_blocks, result.swap_ms))
             self._publish(result.events, extra)
         response = {
@@ -183,7 +185,9 @@ class SimServer:
                 "prompt_tokens": result.prompt_tokens,
                 "completion_tokens": len(result.output_token_ids),
                 "total_tokens": result.prompt_tokens + len(result.output_token_ids),
-                "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+                # Like vLLM, which counts tokens loaded from an external KV tier as cached: every
+                # prompt token not prefilled (GPU prefix hits and blocks swapped back in).
+                "prompt_tokens_details": {"cached_tokens": result.prompt_tokens - result.computed_tokens},
             },
             "agentlog": {
                 "queue_ms": queue_ms,
