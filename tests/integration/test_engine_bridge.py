@@ -393,3 +393,45 @@ def test_a_call_that_does_not_fit_takes_the_lowest_ranked_pin(tmp_path: Path) ->
             assert server.num_forced_releases == 2
 
     asyncio.run(_with_server(tmp_path, 100, body))
+
+
+def test_a_restarted_bridge_skips_decisions_its_backlog_shows_are_stale(rig: Rig) -> None:
+    # While the bridge is down: a SWAP is decided during the session's gap, then the session
+    # comes back. The bridge reads the engine's buffer before its first decision, so it knows.
+    rig.call("back", 0, 4 * BLOCK)
+    rig.decide("back", CacheAction.SWAP)
+    time.sleep(0.01)
+    rig.call("back", 1, 5 * BLOCK)
+    rig.bridge.start()
+    rig.wait_for(lambda: "stale SWAP for back skipped" in rig.bridge.log_tail(50), "the skip")
+    assert rig.get("/stats")["host_free_blocks"] == 8  # nothing was swapped out
+
+
+def test_an_error_reply_is_a_refusal_not_a_retry(tmp_path: Path) -> None:
+    from aiohttp import web
+
+    from workers.engine_bridge.base import ActuationRefused
+    from workers.engine_bridge.sim import SimActuator
+
+    async def failing(_request: web.Request) -> web.Response:
+        return web.Response(status=500, text="boom")
+
+    async def body() -> None:
+        app = web.Application()
+        app.router.add_post("/kv_control", failing)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        actuator = SimActuator(f"http://127.0.0.1:{port}", ENGINE_ID)
+        try:
+            decision = ev.CacheDecisionMade(
+                engine_id=ENGINE_ID, action=CacheAction.RELEASE, score=0.0, num_blocks=0, reason="t"
+            )
+            with pytest.raises(ActuationRefused, match="HTTP 500: boom"):
+                await actuator.apply("s", decision)  # type: ignore[arg-type]
+        finally:
+            await actuator.aclose()
+            await runner.cleanup()
+
+    asyncio.run(body())

@@ -69,7 +69,10 @@ def test_up_with_the_cache_manager_runs_sessions_and_stops_cleanly(pg_url: str, 
         # The bridge carried the engine's KV events into the log, and the cache manager decided
         # on the tool gaps and the ends (it may trail the sessions by a poll or two).
         deadline = time.monotonic() + 30
-        while (counts := asyncio.run(_kv_counts(pg_url, namespace)))[1] < 3 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            counts = asyncio.run(_kv_counts(pg_url, namespace))
+            if counts[0] >= 6 and counts[1] >= 3:
+                break
             time.sleep(0.5)
         events, decisions = counts
         assert events >= 6 and decisions >= 3, counts

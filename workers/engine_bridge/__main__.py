@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -30,7 +31,11 @@ class BridgeWorker(EngineBridge):
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--engine", default="sim", help="engine kind: a module of workers.engine_bridge")
-        parser.add_argument("--engine-id", default="sim-0", help="the engine instance (CacheDecisionMade.engine_id)")
+        parser.add_argument(
+            "--engine-id",
+            default=os.environ.get("AGENTLOG_ENGINE_ID", "sim-0"),
+            help="the engine instance (CacheDecisionMade.engine_id; default: AGENTLOG_ENGINE_ID, as the cache manager)",
+        )
         BridgeWorker.engine_module.add_arguments(parser)
 
     @classmethod

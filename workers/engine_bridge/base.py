@@ -101,6 +101,9 @@ class KVSource(Protocol):
 
     async def aclose(self) -> None: ...
 
+    # Optional: ``caught_up: asyncio.Event``, set once the source has handed out every batch
+    # the engine had buffered when it started; the bridge waits for it before its first decision.
+
 
 class Actuator(Protocol):
     async def apply(self, session_id: SessionId, decision: CacheDecisionMade) -> None:

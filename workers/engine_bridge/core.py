@@ -16,7 +16,8 @@ Two loops run side by side:
   about one tool-call gap, so a *stale* one is skipped: a PRESERVE whose TTL had
   already run out when the bridge reads it, and any decision for a session the engine
   served a call to after the decision was made (the gap is over; a bridge catching up
-  after an outage must not swap out a session that is back at work). A SWAP the engine
+  after an outage must not swap out a session that is back at work; the bridge reads
+  the engine's buffered batches before its first decision, so that it knows). A SWAP the engine
   refuses (no host room; no host tier at all) falls back to RELEASE: both free the
   GPU blocks for others, a release keeps them cached until the LRU needs them.
 
@@ -63,6 +64,7 @@ class BridgeStats:
     num_decisions_applied: int = 0
     num_decisions_refused: int = 0
     num_decisions_skipped: int = 0
+    num_decisions_for_others: int = 0  # addressed to another engine id (check --engine-id if it grows)
     cursor: tuple[str, int] | None = None
 
 
@@ -158,7 +160,16 @@ class EngineBridge:
 
     # ------------------------------------------------------------ decisions out
 
+    async def _wait_for_backlog(self) -> None:
+        """Read the engine's buffered batches before judging any decision stale: after a
+        restart, ``_last_call_at`` is rebuilt from them. A source that cannot tell (no
+        ``caught_up`` event) is taken as caught up."""
+        caught_up: asyncio.Event | None = getattr(self.source, "caught_up", None)
+        if caught_up is not None:
+            await caught_up.wait()
+
     async def _decisions_out(self) -> None:
+        await self._wait_for_backlog()
         consumer = await self.log.consumer(
             self.group, ["kv.decisions"], from_beginning=True, instance_id=self.instance_id
         ).start()
@@ -167,8 +178,12 @@ class EngineBridge:
                 events = await consumer.poll(timeout_s=0.5)
                 for event in events:
                     body = event.body
-                    if isinstance(body, CacheDecisionMade) and body.engine_id == self.engine_id:
+                    if not isinstance(body, CacheDecisionMade):
+                        continue
+                    if body.engine_id == self.engine_id:
                         await self.apply(SessionId(event.session_id), body, event.envelope.occurred_at)
+                    else:
+                        self.stats.num_decisions_for_others += 1
                 if events:
                     await consumer.commit()
         finally:

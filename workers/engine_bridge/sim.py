@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -84,6 +85,7 @@ class SimKVSource:
         self.poll_s = poll_s
         self.limit = limit
         self._http = aiohttp.ClientSession()
+        self.caught_up = asyncio.Event()  # set once it has handed out every batch the engine had buffered
 
     async def _fetch(self, after: int) -> dict[str, Any]:
         while True:
@@ -117,6 +119,7 @@ class SimKVSource:
                 events = tuple(decode_event(self.engine_id, e) for e in raw["events"])
                 yield EngineBatch(epoch=epoch, seq=seq, at=float(raw["at"]), events=events)
             if page["last_seq"] <= seq:
+                self.caught_up.set()
                 await asyncio.sleep(self.poll_s)
 
     async def aclose(self) -> None:
@@ -139,11 +142,16 @@ class SimActuator:
         while True:
             try:
                 async with self._http.post(f"{self.url}/kv_control", json=payload) as response:
-                    result = await response.json()
-                    if response.status == 409:
-                        raise ActuationRefused(result.get("reason", "refused"))
-                    response.raise_for_status()
-                    return
+                    if response.status == 200:
+                        return
+                    # 409: the cache refused; anything else (a bad request, a server error) is
+                    # refused too: retrying it forever would block every later decision.
+                    text = await response.text()
+                    try:
+                        reason = json.loads(text).get("reason") or json.loads(text).get("error") or text
+                    except (ValueError, AttributeError):
+                        reason = text
+                    raise ActuationRefused(f"HTTP {response.status}: {reason}")
             except (aiohttp.ClientConnectionError, OSError) as e:
                 _log.info("engine %s not reachable (%s); retrying", self.engine_id, e)
                 await asyncio.sleep(_RETRY_S)

@@ -26,11 +26,23 @@ session that held the block (one ``KVBlocksRemoved`` per session, sessions in so
 so the events of a batch and their ids are the same on every read of the buffer). Blocks no
 session is known for, and ``AllBlocksCleared``, go to the engine's own session
 (``engine/<engine id>``). The bridge reads the buffer from its oldest batch after a restart,
-which rebuilds the same map.
+which rebuilds the same map **only while the buffer still holds the ``BlockStored`` of every
+block still cached**: vLLM's replay buffer is a ring (``buffer_steps`` batches) in its memory,
+so once it has wrapped, a restarted bridge does not know the sessions of blocks stored before
+its oldest batch, and their later removals go to the engine's session, not to the sessions
+that held them (the log's earlier ``KVBlocksStored`` still name those sessions; the map is not
+seeded from ``kv.events``).
+
+**Unknown event types** (a newer vLLM) are logged once per type, counted in
+``VllmKVSource.unknown_events`` and skipped; their batch is still yielded under its ``seq``, so
+numbering stays gapless.
 
 **Actuator.** Decisions go to the scheduler's control channel (``workers.engines.vllm.control``):
 PRESERVE -> ``pin`` (TTL, with the decision's score: the rank for releases under pressure),
-RELEASE -> ``release``, DISCARD -> ``discard``. SWAP and PREFETCH are refused: vLLM's CPU
+RELEASE -> ``release``, DISCARD -> ``discard``. A PRESERVE's ``ttl_ms`` is in the log's
+time and goes to vLLM unconverted (the scheduler counts it on its monotonic clock; there is no
+time scale on a real engine); ``ttl_ms=None`` pins with no expiry (until a release, a discard
+or pressure), ``ttl_ms <= 0`` holds nothing (sent as ``release``). SWAP and PREFETCH are refused: vLLM's CPU
 platform has no host tier (its KV cache is already in host memory and the offloading
 connectors refuse the platform), and the GPU offloading connectors offer no per-session swap;
 the simulator keeps swap.
@@ -40,7 +52,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import logging
+import math
 import os
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -110,8 +124,11 @@ class SessionMap:
         self.holders.clear()
 
 
-def decode_batch(engine_id: str, payload: bytes, sessions: SessionMap) -> tuple[float, tuple[EngineKVEvent, ...]]:
-    """One vLLM ``KVEventBatch`` as log events, each attributed to its session."""
+def decode_batch(
+    engine_id: str, payload: bytes, sessions: SessionMap, unknown: collections.Counter[str] | None = None
+) -> tuple[float, tuple[EngineKVEvent, ...]]:
+    """One vLLM ``KVEventBatch`` as log events, each attributed to its session. Events of an
+    unknown type are skipped (logged the first time, counted in ``unknown`` by type)."""
     decoded = msgspec.msgpack.decode(payload)
     if not isinstance(decoded, list) or len(decoded) < 2 or not isinstance(decoded[1], list):
         raise ValueError(f"not a vLLM KV event batch: {str(decoded)[:200]}")
@@ -143,8 +160,12 @@ def decode_batch(engine_id: str, payload: bytes, sessions: SessionMap) -> tuple[
         elif kind == "AllBlocksCleared":
             sessions.cleared()
             events.append(EngineKVEvent(engine_session, KVAllBlocksCleared(engine_id=engine_id)))
-        else:
-            raise ValueError(f"unknown vLLM KV event {kind!r}")
+        else:  # a newer vLLM's event: skipping it beats a bridge that crashes on every restart
+            name = str(kind)
+            if unknown is None or not unknown[name]:
+                _log.warning("vLLM %s: skipping KV events of unknown type %r", engine_id, name)
+            if unknown is not None:
+                unknown[name] += 1
     return at, tuple(events)
 
 
@@ -172,6 +193,7 @@ class VllmKVSource:
         self._epoch: str | None = None
         self._next = 0  # the next seq to yield in self._epoch
         self.num_replayed = 0
+        self.unknown_events: collections.Counter[str] = collections.Counter()  # type -> events skipped
 
     def _subscribe(self) -> zmq.asyncio.Socket:
         if self._sub is None:
@@ -204,7 +226,7 @@ class VllmKVSource:
             await asyncio.sleep(_RETRY_S)
 
     def _emit(self, raw: _Raw) -> EngineBatch:
-        at, events = decode_batch(self.engine_id, raw.payload, self._sessions)
+        at, events = decode_batch(self.engine_id, raw.payload, self._sessions, self.unknown_events)
         self._epoch, self._next = raw.epoch, raw.seq + 1
         return EngineBatch(epoch=raw.epoch, seq=raw.seq, at=at, events=events)
 
@@ -257,19 +279,26 @@ class VllmKVSource:
 
 
 class VllmActuator:
-    """Carries out decisions through ``AgentlogScheduler``'s control channel."""
+    """Carries out decisions through ``AgentlogScheduler``'s control channel.
 
-    def __init__(self, engine_id: str, control_endpoint: str, *, default_ttl_s: float = 60.0) -> None:
+    PRESERVE's ``ttl_ms`` is log time, sent as is (``ttl_s = ttl_ms / 1000`` on the scheduler's
+    monotonic clock: no time-scale conversion on a real engine). ``None``: no expiry
+    (``ttl_s = inf``; the pin lasts until a release, a discard or pressure). ``<= 0``: no pin
+    (an immediate ``release``). Retries while the scheduler does not answer; a refusal
+    (``{"ok": false}``) is ``ActuationRefused``, never retried.
+    """
+
+    def __init__(self, engine_id: str, control_endpoint: str) -> None:
         self.engine_id = engine_id
         self.control = ControlClient(control_endpoint)
-        self.default_ttl_s = default_ttl_s
 
     async def apply(self, session_id: SessionId, decision: CacheDecisionMade) -> None:
         action = decision.action
-        if action is CacheAction.PRESERVE:
-            ttl_s = decision.ttl_ms / 1000 if decision.ttl_ms else self.default_ttl_s
-            request: dict[str, Any] = {"op": "pin", "session": session_id, "ttl_s": ttl_s, "score": decision.score}
-        elif action is CacheAction.RELEASE:
+        request: dict[str, Any]
+        if action is CacheAction.PRESERVE and (decision.ttl_ms is None or decision.ttl_ms > 0):
+            ttl_s = math.inf if decision.ttl_ms is None else decision.ttl_ms / 1000
+            request = {"op": "pin", "session": session_id, "ttl_s": ttl_s, "score": decision.score}
+        elif action in (CacheAction.PRESERVE, CacheAction.RELEASE):  # PRESERVE here: a zero TTL, keep nothing
             request = {"op": "release", "session": session_id}
         elif action is CacheAction.DISCARD:
             request = {"op": "discard", "session": session_id}
