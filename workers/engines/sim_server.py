@@ -222,6 +222,7 @@ class SimServer:
             return False
         victim = ranked[0][2]
         cache.release(victim)
+        self.pin_scores.pop(victim, None)
         self.num_forced_releases += 1
         _log.info("released the pin of %s to make room (score %.3g)", victim, ranked[0][0])
         return True
@@ -293,7 +294,9 @@ class SimServer:
                     self.pin_scores[session_id] = score
                 elif action is CacheAction.RELEASE:
                     blocks = cache.release(session_id)
+                    self.pin_scores.pop(session_id, None)
                 elif action is CacheAction.DISCARD:
+                    self.pin_scores.pop(session_id, None)
                     counts = cache.discard(session_id)
                     blocks = counts.gpu + counts.host
                 elif action is CacheAction.SWAP:
