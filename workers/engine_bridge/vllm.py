@@ -42,10 +42,10 @@ PRESERVE -> ``pin`` (TTL, with the decision's score: the rank for releases under
 RELEASE -> ``release``, DISCARD -> ``discard``. A PRESERVE's ``ttl_ms`` is in the log's
 time and goes to vLLM unconverted (the scheduler counts it on its monotonic clock; there is no
 time scale on a real engine); ``ttl_ms=None`` pins with no expiry (until a release, a discard
-or pressure), ``ttl_ms <= 0`` holds nothing (sent as ``release``). SWAP and PREFETCH are refused: vLLM's CPU
-platform has no host tier (its KV cache is already in host memory and the offloading
-connectors refuse the platform), and the GPU offloading connectors offer no per-session swap;
-the simulator keeps swap.
+or pressure), ``ttl_ms <= 0`` holds nothing (sent as ``release``). SWAP and PREFETCH are
+refused: vLLM's CPU platform has no host tier (its KV cache is already in host memory and the
+offloading connectors refuse the platform), and the GPU offloading connectors offer no
+per-session swap; the simulator keeps swap.
 """
 
 from __future__ import annotations

@@ -120,13 +120,15 @@ class VllmClient:
 async def vllm_client(vllm: Vllm) -> AsyncIterator[VllmClient]:
     """A client for one test; discards the blocks of every session it used when done."""
     control = ControlClient(vllm.control)
-    async with aiohttp.ClientSession() as http:
-        c = VllmClient(vllm, http, control)
-        hello = await control.call("hello")
-        c.block_size, c.num_gpu_blocks = int(hello["block_size"]), int(hello["num_gpu_blocks"])
-        try:
-            yield c
-        finally:
-            for session in c.sessions:
-                await control.call("discard", session=session)
-            await control.aclose()
+    try:
+        async with aiohttp.ClientSession() as http:
+            c = VllmClient(vllm, http, control)
+            hello = await control.call("hello")
+            c.block_size, c.num_gpu_blocks = int(hello["block_size"]), int(hello["num_gpu_blocks"])
+            try:
+                yield c
+            finally:
+                for session in c.sessions:
+                    await control.call("discard", session=session)
+    finally:  # also when hello or a discard fails: an unclosed socket is a ResourceWarning (an error) later
+        await control.aclose()

@@ -27,7 +27,7 @@ import pytest
 from cli.common import ensure_topics
 from log import LoggedEvent, open_log
 from schemas import events as ev
-from tests.integration.vllm.conftest import NUM_GPU_BLOCKS, TINY_MODEL, Vllm, VllmClient, vllm_client
+from tests.integration.vllm.conftest import NUM_GPU_BLOCKS, TINY_MODEL, Vllm, VllmClient, _unavailable, vllm_client
 from workers.engine_bridge.core import kv_event_id
 from workers.engine_bridge.vllm import SessionMap, VllmKVSource, decode_batch
 from workers.engines.vllm.server import VllmServer, VllmServerConfig
@@ -43,6 +43,17 @@ def start_bridge(vllm: Vllm, pg_url: str, namespace: str, log_path: Path) -> sub
     argv += ["--kv-events", vllm.kv_events, "--kv-replay", vllm.kv_replay, "--control", vllm.control]
     with log_path.open("ab") as out:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def stop_bridge(bridge: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, and SIGKILL if it has not exited in 20 s: never leave a bridge behind."""
+    try:
+        bridge.send_signal(signal.SIGTERM)
+        bridge.wait(timeout=20)
+    finally:
+        if bridge.poll() is None:
+            bridge.kill()
+            bridge.wait()
 
 
 async def expected_from_replay_buffer(vllm: Vllm) -> dict[str, tuple[str, ev.Event]]:
@@ -109,8 +120,7 @@ def test_kv_events_reach_the_log_exactly_once_across_a_bridge_crash(
                     await asyncio.sleep(0.05)
                 return expected, logged, pins
         finally:
-            bridge.send_signal(signal.SIGTERM)
-            bridge.wait(timeout=20)
+            stop_bridge(bridge)
 
     expected, logged, pins = asyncio.run(scenario())
 
@@ -161,6 +171,7 @@ async def read_until(
     return logged
 
 
+@pytest.mark.timeout(600)  # starts a vLLM server twice (about 35 s each on 2 cores, more on a busy machine)
 def test_a_restarted_vllm_is_a_new_epoch_and_the_bridge_follows_it(
     vllm: Vllm, pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -171,15 +182,14 @@ def test_a_restarted_vllm_is_a_new_epoch_and_the_bridge_follows_it(
     run_dir = Path(tempfile.mkdtemp(prefix="agentlog-vllm-restart-"))
     config = VllmServerConfig(model=str(TINY_MODEL), run_dir=run_dir, num_gpu_blocks=NUM_GPU_BLOCKS)
     if not Path(config.python).exists() or not (TINY_MODEL / "model.safetensors").exists():
-        pytest.skip("needs the vLLM venv and the tiny model to start a second server")
-    server = VllmServer(config).start()
+        _unavailable("needs the vLLM venv and the tiny model to start a second server")
     own = Vllm(config.url, config.served_model_name, config.kv_events, config.kv_replay, config.control)
     log_path = tmp_path / "bridge.log"
 
     async def epoch_of(c: VllmClient) -> str:
         return str((await c.control.call("hello"))["epoch"])
 
-    async def scenario() -> tuple[list[str], dict[str, tuple[str, ev.Event]], list[LoggedEvent]]:
+    async def scenario(server: VllmServer) -> tuple[list[str], dict[str, tuple[str, ev.Event]], list[LoggedEvent]]:
         bridge = start_bridge(own, pg_url, namespace, log_path)
         try:
             async with vllm_client(own) as c:
@@ -196,11 +206,14 @@ def test_a_restarted_vllm_is_a_new_epoch_and_the_bridge_follows_it(
             logged = await read_until(pg_url, set(before) | set(after), bridge, log_path)
             return [first, second], before | after, logged
         finally:
-            bridge.send_signal(signal.SIGTERM)
-            bridge.wait(timeout=20)
-            server.stop()
+            stop_bridge(bridge)
 
-    epochs, expected, logged = asyncio.run(scenario())
+    server = VllmServer(config)
+    try:
+        server.start()
+        epochs, expected, logged = asyncio.run(scenario(server))
+    finally:
+        server.stop()  # also when the bridge would not stop, or vLLM failed to start
     assert epochs[0] != epochs[1]
     ids = [e.envelope.event_id for e in logged]
     assert len(ids) == len(set(ids)), "an event appended twice"

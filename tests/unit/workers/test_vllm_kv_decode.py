@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+
 import msgspec
 import pytest
 
 from schemas.events import KVAllBlocksCleared, KVBlocksRemoved, KVBlocksStored, KVTier
-from workers.engine_bridge.vllm import SessionMap, decode_batch, parse_topic
+from workers.engine_bridge.vllm import SessionMap, VllmKVSource, _Raw, decode_batch, parse_topic
 
 pytestmark = pytest.mark.unit
 
@@ -20,7 +22,7 @@ def stored(hashes: list[int], session: str | None, parent: int | None = None) ->
     }  # fmt: skip
 
 
-def batch(*events: dict[str, object]) -> bytes:
+def batch(*events: object) -> bytes:
     return msgspec.msgpack.encode([1795962302.5, list(events), 0])
 
 
@@ -58,10 +60,28 @@ def test_bytes_hashes_are_hex_and_bad_payloads_are_refused() -> None:
     assert isinstance(events[0].body, KVBlocksStored) and events[0].body.block_hashes == ["01ff"]
     with pytest.raises(ValueError, match="not a vLLM KV event batch"):
         decode_batch("v", msgspec.msgpack.encode({"ts": 1}), SessionMap({}))
-    with pytest.raises(ValueError, match="unknown vLLM KV event 'Mystery'"):
-        decode_batch("v", batch({"type": "Mystery"}), SessionMap({}))
 
 
 def test_the_epoch_rides_on_the_topic() -> None:
     assert parse_topic(b"kv@3f2a9c") == "3f2a9c"
     assert parse_topic(b"kv") == "-"  # a vLLM without agentlog's scheduler: one epoch
+
+
+def test_unknown_event_types_are_counted_and_skipped() -> None:
+    unknown: collections.Counter[str] = collections.Counter()
+    sessions = SessionMap({})
+    payload = batch({"type": "BlockPinned", "block_hashes": [5]}, stored([4], "a"), {"type": "BlockPinned"}, "junk")
+    at, events = decode_batch("vllm-0", payload, sessions, unknown)
+    assert at == 1795962302.5
+    assert [(e.session_id, type(e.body)) for e in events] == [("a", KVBlocksStored)]
+    assert unknown == {"BlockPinned": 2, "None": 1}
+    assert sessions.holders == {"0000000000000004": {"a"}}
+
+
+def test_a_batch_of_only_unknown_events_keeps_its_seq() -> None:
+    source = VllmKVSource("vllm-0", "inproc://unused-events", "inproc://unused-replay")
+    first = source._emit(_Raw("e1", 0, batch(stored([4], "a"))))
+    skipped = source._emit(_Raw("e1", 1, batch({"type": "Mystery"})))
+    after = source._emit(_Raw("e1", 2, batch(stored([6], "a"))))
+    assert [(b.seq, len(b.events)) for b in (first, skipped, after)] == [(0, 1), (1, 0), (2, 1)]
+    assert source.unknown_events == {"Mystery": 1}

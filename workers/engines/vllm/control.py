@@ -8,6 +8,11 @@ maps (``msgspec.msgpack``)::
               "session": str, "ttl_s": float, "score": float, "token": str}
     reply:   {"ok": true, ...op's fields} | {"ok": false, "error": str}
 
+Every request gets a reply: a refusal (``ControlError``) and any other exception inside the
+scheduler (logged there) are both ``{"ok": false}``, which the client raises as
+``ControlError`` and the bridge's actuator as ``ActuationRefused`` (never retried); only
+silence (vLLM down) is ``ControlUnavailable``, retried.
+
 **Ops** (all idempotent, so a bridge may re-apply a decision after a crash):
 
 - ``hello`` -> ``epoch`` (one run of the engine; also the suffix of the KV events topic),
@@ -16,8 +21,9 @@ maps (``msgspec.msgpack``)::
   ``pending`` (sessions whose pin waits for their running call to end),
   ``pressure_releases`` (sessions whose pins were released under pressure, in order);
 - ``pin`` session, ttl_s, score -> ``num_blocks``: hold the session's full blocks for
-  ``ttl_s`` (renews an existing pin; while the session's call runs, the pin is taken when
-  it ends, ``pending: true``; after the call, the blocks still cached are taken back);
+  ``ttl_s`` seconds of the scheduler's monotonic clock (``inf``: until released; renews an
+  existing pin; while the session's call runs, the pin is taken when it ends,
+  ``pending: true``; after the call, the blocks still cached are taken back);
 - ``release`` session -> ``num_blocks``: drop the pin; the blocks go back to vLLM's LRU
   (tail first), still reusable until evicted;
 - ``discard`` session -> ``num_blocks``: drop the pin and evict the session's cached blocks
@@ -98,7 +104,8 @@ class ControlServer:
     """A ROUTER socket served by a daemon thread.
 
     ``handle(request) -> reply fields`` runs on the thread for each request (it raises
-    ``ControlError`` for a refusal); ``tick()`` runs after each request and at least every
+    ``ControlError`` for a refusal; any other exception is logged and answered as a refusal
+    too, so every request gets a reply); ``tick()`` runs after each request and at least every
     ``tick_s`` (the scheduler expires pins there even while vLLM is idle).
     """
 
@@ -157,6 +164,9 @@ class ControlServer:
             return {"ok": True, **self._handle(request)}
         except ControlError as e:
             return {"ok": False, "error": str(e)}
+        except Exception as e:  # a bug in a handler: answer anyway, a silent server makes clients retry forever
+            _log.exception("control op %r failed", request.get("op"))
+            return {"ok": False, "error": f"{request.get('op')} failed inside the scheduler: {type(e).__name__}: {e}"}
 
     def close(self) -> None:
         self._running = False
