@@ -26,17 +26,31 @@ session)``: appending it again is a no-op.
 decided.** State (views, pins, TTLs, memory, the latency model) is a fold of the whole
 log, so a restart re-reads the input topics from offset 0 (committed offsets are kept
 for monitoring only). It first reads every ``CacheDecisionMade`` already in the log.
-Up to the end offsets seen at start (the replay), an event's decisions are
+Up to the end offsets seen at start (the replay), each decision is sorted by the
+kv.decisions partition it goes to (its *output* partition: the decided session's, which
+for pressure and TTL decisions is not the triggering event's). Kafka keeps the order of
+one partition, and the previous run appended in decision order (one ``append_many`` in
+flight), so what it left in an output partition is a prefix of what it meant to append
+there; an ``append_many`` that dies half-way may leave any subset *across* partitions.
+So a replayed decision is
 
 - *in the log* (same id): not appended again; if the logged one differs (the events
   were read in another order before), the manager adopts the logged one, which is what
   the engine carried out (``num_adopted``);
-- *not in the log*, for an event after the last event of its partition that has a
-  decision in the log: the previous run read it and died before appending; these are
-  held until the replay ends and then appended (``num_recovered``): no decision is lost;
-- *not in the log*, for an event before that: the previous run decided otherwise for
-  it (another order of events); not appended, so an old event never gets a second, late
-  decision (``num_diverged``).
+- *not in the log*, decided after the last decision of its output partition that is in
+  the log: the previous run decided it and died before it landed; held until the replay
+  ends and then appended (``num_recovered``), whatever landed in other partitions;
+- *not in the log*, decided before a logged decision of its output partition: that
+  partition's order says the previous run did not decide it (another order of events);
+  not appended, so an old event never gets a second, late decision (``num_diverged``).
+
+Every decision is thus appended at most once (ids are checked against the log) and
+every one missing after its partition's last logged decision is appended. This assumes
+the replay decides in the order the previous run did (``in_time_order``; a different
+order shows up as adopted or diverged decisions). Known gap: decisions of events past
+the replay's end are appended at once while the held ones wait for the replay to end;
+a crash in between leaves a later decision logged before the held ones in a partition,
+and the next restart counts those as diverged.
 
 Why not resume from committed offsets plus a rebuild: the rebuild needs the events
 before the committed offsets in any case, and the ``SharedLog`` interface does not
@@ -167,8 +181,10 @@ class CacheManagerWorker:
         self.caught_up = asyncio.Event()
         self._stopping = asyncio.Event()
         self._logged: dict[str, CacheDecisionMade] = {}
-        self._boundary: dict[tuple[str, int], int] = {}
-        self._pending: dict[tuple[str, int], list[Decided]] = {}
+        self._boundary: dict[tuple[str, int], int] = {}  # replay end per input (topic, partition)
+        # Replayed decisions not in the log, per kv.decisions partition, in decision order,
+        # since the last one of that partition found in the log (appended when the replay ends).
+        self._pending: dict[int, list[Decided]] = {}
         # Next offset to fold per (topic, partition): a partition that comes back after a
         # rebalance is read again from 0 (from_beginning), and must not be folded twice.
         self._next_offset: dict[tuple[str, int], int] = {}
@@ -233,6 +249,8 @@ class CacheManagerWorker:
 
     async def run(self) -> None:
         if self.recover:
+            if self.log.num_partitions < 1:
+                raise RuntimeError("start the log before the cache manager (recovery needs its partition count)")
             self._logged = await self.read_decisions()
             for topic in self.topics:
                 for partition, end in (await self.log.end_offsets(topic)).items():
@@ -334,36 +352,35 @@ class CacheManagerWorker:
                 stats.ready_s.append(now - received)
             stats.num_decisions += len(decided)
             if position.offset < self._boundary.get(tp, 0):
-                decided = self._replayed(tp, decided)
+                self._replayed(decided)
+                continue
             drafts.extend(self._draft(d) for d in decided)
             ready.extend(received for _ in decided)
         return drafts, ready
 
-    def _replayed(self, tp: tuple[str, int], decided: list[Decided]) -> list[Decided]:
-        """Sort one replayed event's decisions (see the module docstring); returns those to append now."""
+    def _replayed(self, decided: list[Decided]) -> None:
+        """Sort one replayed event's decisions by their output partition (see the module
+        docstring): held until the replay ends unless a later one of their partition is logged."""
         logged = self._logged
-        if not any(d.event_id in logged for d in decided):
-            self._pending.setdefault(tp, []).extend(decided)  # appended if no later event is in the log
-            return []
         stats = self.stats
-        stats.num_diverged += len(self._pending.pop(tp, []))
-        fresh: list[Decided] = []
+        partition_for = self.log.partition_for
         for d in decided:
+            partition = partition_for(d.session_id)
             body = logged.get(d.event_id)
             if body is None:
-                fresh.append(d)  # part of a logged event's decisions (a partial append): recovered
-                stats.num_recovered += 1
+                self._pending.setdefault(partition, []).append(d)
                 continue
+            # Kafka kept this partition's order: what was decided before and is missing never landed.
+            stats.num_diverged += len(self._pending.pop(partition, []))
             stats.num_replayed += 1
             if body.action is not d.decision.action or body.ttl_ms != d.to_event("", self.time_scale).ttl_ms:
                 stats.num_adopted += 1
                 self.manager.adopt(logged_as_decided(d, body, self.time_scale))
-        return fresh
 
     def _flush_pending(self) -> list[Draft]:
         drafts: list[Draft] = []
-        for tp in sorted(self._pending):
-            for d in self._pending[tp]:
+        for partition in sorted(self._pending):
+            for d in self._pending[partition]:
                 drafts.append(self._draft(d))
                 self.stats.num_recovered += 1
         self._pending.clear()

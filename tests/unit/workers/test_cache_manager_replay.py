@@ -1,8 +1,9 @@
 """The worker's replay rules, on decoded events without a broker (``process`` does no I/O).
 
 After a restart the worker re-reads the log from offset 0; up to the end offsets seen
-at start, a decision is appended only when the previous run cannot have appended it
-(see workers/cache_manager.py).
+at start, a decision is appended only when the previous run cannot have appended it:
+it is missing from the log and decided after the last logged decision of its own
+kv.decisions partition (see workers/cache_manager.py).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ pytestmark = pytest.mark.unit
 ACTIONS = "agent.actions"
 
 
-def worker(time_scale: float = 1.0) -> CacheManagerWorker:
+def worker(time_scale: float = 1.0, num_partitions: int = 1) -> CacheManagerWorker:
     log = SharedLog(backend_for("kafka://127.0.0.1:1"), actor="cache-manager")  # never started: no I/O here
+    log.num_partitions = num_partitions  # what start() would read from the broker
     return CacheManagerWorker(log, config=ManagerConfig(gpu_total_blocks=1000), time_scale=time_scale)
 
 
-def gap(session: str, offset: int, at_s: float) -> list[LoggedEvent]:
-    """An LLM call and a tool proposal of ``session`` on partition 0 of agent.actions, from ``offset``."""
+def gap(session: str, offset: int, at_s: float, partition: int = 0) -> list[LoggedEvent]:
+    """An LLM call and a tool proposal of ``session`` on a partition of agent.actions, from ``offset``."""
     bodies: list[ev.Event] = [
         ev.LLMCallStarted(call_id="c", turn=0, engine_id="e", prompt_tokens=300, max_output_tokens=20,
                           prompt_digest="d"),
@@ -37,7 +39,7 @@ def gap(session: str, offset: int, at_s: float) -> list[LoggedEvent]:
                             effect_class=ev.EffectClass.PURE, idempotency_key="k"),
     ]  # fmt: skip
     return [
-        LoggedEvent(Position(ACTIONS, 0, offset + i), envelope(body, session=session, at_s=at_s + 0.1 * i))
+        LoggedEvent(Position(ACTIONS, partition, offset + i), envelope(body, session=session, at_s=at_s + 0.1 * i))
         for i, body in enumerate(bodies)
     ]
 
@@ -80,6 +82,46 @@ def test_a_replay_appends_only_what_follows_the_last_logged_event_of_a_partition
     assert [d.event_id for d in second._flush_pending()] == [ids["c"]]
     stats = second.stats
     assert (stats.num_replayed, stats.num_diverged, stats.num_recovered, stats.num_adopted) == (1, 1, 1, 0)
+
+
+def test_a_decision_missing_from_its_partition_is_recovered_when_a_later_one_landed_in_another() -> None:
+    """The reviewer's case: one poll's decisions go to two kv.decisions partitions, and the
+    append that carried them died half-way, leaving the later one (``d``'s, partition 1)
+    and not the earlier one (``a``'s, partition 0). Kafka orders partitions, not batches:
+    ``a``'s decision never landed and must be appended (the old rule, which tracked the
+    triggering events' agent.actions partition, counted it as diverged and lost it)."""
+    first = worker(num_partitions=2)
+    assert (first.log.partition_for("a"), first.log.partition_for("d")) == (0, 1)
+    events = gap("a", 0, 0.0) + gap("d", 3, 1.0)  # one poll, one agent.actions partition
+    drafts, _ = first.process(events, received=0.0)
+    ids = {d.session_id: str(d.event_id) for d in drafts}
+    assert list(ids) == ["a", "d"]
+
+    second = worker(num_partitions=2)
+    second._boundary = {(ACTIONS, 0): 6}
+    second._logged = {ids["d"]: decision(drafts[1])}
+    assert second.process(events, received=0.0)[0] == []  # held until the replay ends
+    assert [d.event_id for d in second._flush_pending()] == [ids["a"]]
+    stats = second.stats
+    assert (stats.num_replayed, stats.num_diverged, stats.num_recovered) == (1, 0, 1)
+
+
+def test_a_missing_decision_before_a_logged_one_of_its_partition_diverged_whatever_the_input_partition() -> None:
+    """``a`` and ``b`` are read from two agent.actions partitions but decided into the same
+    kv.decisions partition: ``b``'s is logged and came later, so ``a``'s (missing) was not
+    decided by the previous run and is not appended late."""
+    first = worker(num_partitions=2)
+    assert first.log.partition_for("a") == first.log.partition_for("b") == 0
+    events = gap("a", 0, 0.0, partition=0) + gap("b", 0, 1.0, partition=1)
+    drafts, _ = first.process(events, received=0.0)
+    ids = {d.session_id: str(d.event_id) for d in drafts}
+
+    second = worker(num_partitions=2)
+    second._boundary = {(ACTIONS, 0): 3, (ACTIONS, 1): 3}
+    second._logged = {ids["b"]: decision(drafts[1])}
+    assert second.process(events, received=0.0)[0] == []
+    assert second._flush_pending() == []
+    assert (second.stats.num_replayed, second.stats.num_diverged, second.stats.num_recovered) == (1, 1, 0)
 
 
 def test_a_logged_decision_that_differs_is_adopted() -> None:
