@@ -106,6 +106,26 @@ def test_a_decision_missing_from_its_partition_is_recovered_when_a_later_one_lan
     assert (stats.num_replayed, stats.num_diverged, stats.num_recovered) == (1, 0, 1)
 
 
+def test_a_ttl_decision_lost_in_a_torn_append_is_recovered() -> None:
+    """A TTL end is decided for ``a`` (kv.decisions partition 0) when an event of ``d``
+    (agent.actions partition 1) passes it, and ``d``'s own PRESERVE (partition 1) follows;
+    the append kept ``d``'s and lost ``a``'s. The old rule saw a logged decision after the
+    TTL's trigger in the trigger's input partition and dropped the TTL decision."""
+    events = gap("a", 0, 0.0, partition=0) + gap("d", 0, 20.0, partition=1)  # a's 10 s TTL ends at 10
+    drafts, _ = worker(num_partitions=2).process(events, received=0.0)
+    gap_a, ttl_a, gap_d = drafts
+    assert (gap_a.session_id, ttl_a.session_id, gap_d.session_id) == ("a", "a", "d")
+    assert ttl_a.causation_id == str(gap_a.event_id)  # the TTL end's trigger is the pin
+    assert ttl_a.event_id != gap_a.event_id
+
+    second = worker(num_partitions=2)
+    second._boundary = {(ACTIONS, 0): 3, (ACTIONS, 1): 3}
+    second._logged = {str(d.event_id): decision(d) for d in (gap_a, gap_d)}
+    assert second.process(events, received=0.0)[0] == []
+    assert [d.event_id for d in second._flush_pending()] == [ttl_a.event_id]
+    assert (second.stats.num_replayed, second.stats.num_diverged, second.stats.num_recovered) == (2, 0, 1)
+
+
 def test_a_missing_decision_before_a_logged_one_of_its_partition_diverged_whatever_the_input_partition() -> None:
     """``a`` and ``b`` are read from two agent.actions partitions but decided into the same
     kv.decisions partition: ``b``'s is logged and came later, so ``a``'s (missing) was not
