@@ -14,8 +14,17 @@ the same way (rules in ``services/checkpoint.py``, storage in ``log/snapshots.py
 - ``replay_session``: a session's current state, from its newest snapshot
   plus the records after its cut, or from its first event.
 
-A snapshot is used only if the state it holds still has its digest (the digest
-its ``CheckpointTaken`` carries on the log); otherwise the log is folded.
+**Trusting a snapshot.** The snapshot row is not trusted on its own (its state
+and its digest column can be rewritten together). Its checkpoint's
+``CheckpointTaken`` is appended after the snapshot is saved, so it lies after
+the cut: the tail (read from the cut, chains seeded from the snapshot's tails)
+must hold it, and the snapshot is used only if ``json_digest(snapshot.state)``
+equals that record's ``state_digest`` and the snapshot's cut equals its cut.
+The digest covers every field of the state except the set of applied event ids
+(``services/checkpoint.py``); of that set, only its size is checked (it must
+equal ``num_events``, which the digest covers). Otherwise (no such record on
+the log, another digest or cut) the log is folded from the first event.
+``session_at`` pays for this with a read of the tail too.
 """
 
 from __future__ import annotations
@@ -53,8 +62,8 @@ async def session_at(
     """A session folded up to one of its checkpoints (a fork's parent history added, recursively)."""
     if snapshots is not None:
         snapshot = await snapshots.get(session_id, checkpoint_id)
-        if snapshot is not None and snapshot.cut == cut and (state := _trusted(snapshot)) is not None:
-            return state
+        if snapshot is not None and snapshot.cut == cut and (trusted := await _trusted(log, snapshot)) is not None:
+            return trusted[0]
     state = fold_events(session_id, before_cut(cut_events(await log.history(session_id)), cut))
     await add_parent_history(log, snapshots, state)
     return state
@@ -112,26 +121,46 @@ async def replay_session(
 ) -> Replayed:
     """The session's state now: from its newest snapshot and the records after it, or from the first event."""
     snapshot = await snapshots.latest(session_id) if snapshots is not None and use_snapshot else None
-    start = _trusted(snapshot) if snapshot is not None else None
-    if snapshot is None or start is None:
+    trusted = await _trusted(log, snapshot) if snapshot is not None else None
+    if snapshot is None or trusted is None:
         history = await log.history(session_id, SESSION_TOPICS)
         state = fold_events(session_id, cut_events(history))
         await add_parent_history(log, snapshots, state)
         return Replayed(state, "log", len(history))
-    tail = await read_tail(log, session_id, snapshot.cut, snapshot.tails)
+    start, tail = trusted
     state = fold_events(session_id, cut_events(tail), start)
     await add_parent_history(log, snapshots, state)
     return Replayed(state, f"snapshot {snapshot.checkpoint_id}", len(tail))
 
 
-def _trusted(snapshot: Snapshot) -> SessionState | None:
-    """The snapshot's state if it still has the digest it was saved with (the one its
-    CheckpointTaken carries), else None: the caller folds the log instead."""
-    if json_digest(snapshot.state) != snapshot.digest:
-        _log.warning(
-            "snapshot %s of %s does not match its digest; folding the log instead",
-            snapshot.checkpoint_id,
-            snapshot.session_id,
-        )
-        return None
-    return state_from_json(snapshot.state)
+async def _trusted(log: SharedLog, snapshot: Snapshot) -> tuple[SessionState, list[LoggedEvent]] | None:
+    """The snapshot's state and the session's verified records after its cut, if the
+    ``CheckpointTaken`` among those records vouches for the state; else None: the
+    caller folds the log instead."""
+    tail = await read_tail(log, snapshot.session_id, snapshot.cut, snapshot.tails)
+    taken = next(
+        (
+            e.body
+            for e in tail
+            if isinstance(e.body, ev.CheckpointTaken) and e.body.checkpoint_id == snapshot.checkpoint_id
+        ),
+        None,
+    )
+    if taken is None:
+        reason = "its CheckpointTaken is not on the log after its cut"
+    elif taken.state_digest != json_digest(snapshot.state):
+        reason = "its state does not have the digest its CheckpointTaken carries"
+    elif taken.cut != snapshot.cut:
+        reason = "its cut is not its CheckpointTaken's"
+    elif len(set(snapshot.state.get("applied", []))) != snapshot.state.get("num_events"):
+        # The digest leaves the applied ids out; each folded event adds one, so at least the count must hold.
+        reason = "its applied event ids do not number its events"
+    else:
+        return state_from_json(snapshot.state), tail
+    _log.warning(
+        "snapshot %s of %s is not trusted (%s); folding the log instead",
+        snapshot.checkpoint_id,
+        snapshot.session_id,
+        reason,
+    )
+    return None

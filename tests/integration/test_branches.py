@@ -22,7 +22,7 @@ from log import LoggedEvent, open_log
 from log.backend import OutRecord
 from log.snapshots import SnapshotStore
 from schemas import events as ev
-from services.checkpoint import state_digest, state_to_json
+from services.checkpoint import json_digest, state_digest, state_to_json
 from services.session import SessionState, fold
 from workers.replay import Replayed, replay_session
 
@@ -213,18 +213,25 @@ def test_replay_from_a_snapshot_trusts_no_record_after_the_cut(env: Env) -> None
     session = f"tamper-{uuid.uuid4().hex[:6]}"
     env.request(session, [LLM, {"checkpoint": True}, {"tool": "echo", "arguments": {"text": "a"}}, LLM])
     env.wait(session, finished)
+    history = env.history(session)
+    effects = [e for e in history if e.topic == "agent.effects"]
+    checkpoint = env.state(session).checkpoints["ckpt-1"].taken
+    after_cut = [e for e in history if e.position.offset >= checkpoint.cut[e.topic]]
+    # The forged record would be the next in the effects chain, after genuine records that chain to the snapshot.
+    assert any(e.topic == "agent.effects" for e in after_cut)
+    next_seq = max(e.seq for e in effects) + 1
 
     async def forge_and_replay() -> tuple[Replayed, Replayed]:
         async with (
             open_log(env.pg_url, actor="executor", namespace=env.namespace) as log,
             SnapshotStore(env.pg_url, env.namespace) as store,
         ):
-            # A completion for a call that never ran, with a seq and prev_hash that do not chain.
+            # A completion for a call that never ran: the right next seq, a prev_hash that is not the last record's.
             forged = ev.ToolCallCompleted(call_id="tool-9", result_json="{}", result_tokens=1, duration_ms=0)
             record, _ = log.codec.encode(
                 event_id="forged",
                 session_id=session,
-                seq=42,
+                seq=next_seq,
                 actor="executor",
                 occurred_at=datetime.now(UTC),
                 causation_id=None,
@@ -240,25 +247,24 @@ def test_replay_from_a_snapshot_trusts_no_record_after_the_cut(env: Env) -> None
     from_snapshot, full = asyncio.run(forge_and_replay())
     assert from_snapshot.source == "snapshot ckpt-1"
     assert "tool-9" not in from_snapshot.state.early and "tool-9" not in full.state.early
+    assert "forged" not in from_snapshot.state.applied
+    assert from_snapshot.num_records == len(after_cut), "every genuine record after the cut, and not the forged one"
     assert state_to_json(from_snapshot.state) == state_to_json(full.state)
 
 
-def test_a_snapshot_that_lost_its_digest_is_not_trusted(env: Env) -> None:
-    session = f"bad-{uuid.uuid4().hex[:6]}"
-    env.request(session, [LLM, {"checkpoint": True}, LLM])
-    env.wait(session, finished)
-
-    async def spoil_and_replay() -> tuple[Replayed, Replayed]:
+def _snapshot_sql(env: Env, sql: str, *args: Any) -> list[asyncpg.Record]:
+    async def go() -> list[asyncpg.Record]:
         conn = await asyncpg.connect(env.pg_url)
         try:
-            await conn.execute(
-                "UPDATE agentlog_snapshots.snapshots SET state = jsonb_set(state, '{output_json}', '\"forged\"') "
-                "WHERE namespace = $1 AND session_id = $2",
-                env.namespace,
-                session,
-            )
+            return list(await conn.fetch(sql, *args))
         finally:
             await conn.close()
+
+    return asyncio.run(go())
+
+
+def _replay_both_ways(env: Env, session: str) -> tuple[Replayed, Replayed]:
+    async def go() -> tuple[Replayed, Replayed]:
         async with (
             open_log(env.pg_url, actor="auditor", namespace=env.namespace) as log,
             SnapshotStore(env.pg_url, env.namespace) as store,
@@ -267,9 +273,51 @@ def test_a_snapshot_that_lost_its_digest_is_not_trusted(env: Env) -> None:
                 log, store, session, use_snapshot=False
             )
 
-    replayed, full = asyncio.run(spoil_and_replay())
+    return asyncio.run(go())
+
+
+def test_a_snapshot_that_lost_its_digest_is_not_trusted(env: Env) -> None:
+    session = f"bad-{uuid.uuid4().hex[:6]}"
+    env.request(session, [LLM, {"checkpoint": True}, LLM])
+    env.wait(session, finished)
+    _snapshot_sql(
+        env,
+        "UPDATE agentlog_snapshots.snapshots SET state = jsonb_set(state, '{output_json}', '\"forged\"') "
+        "WHERE namespace = $1 AND session_id = $2",
+        env.namespace,
+        session,
+    )
+    replayed, full = _replay_both_ways(env, session)
     assert replayed.source == "log", "a snapshot whose state no longer has its digest is ignored"
-    assert state_to_json(replayed.state) == state_to_json(full.state) and replayed.state.output_json != '"forged"'
+    assert full.state.output_json is not None and replayed.state.output_json == full.state.output_json
+    assert state_to_json(replayed.state) == state_to_json(full.state)
+
+
+def test_a_snapshot_rewritten_with_a_matching_digest_is_not_trusted(env: Env) -> None:
+    """The row's own digest column vouches for nothing: the CheckpointTaken on the log does."""
+    session = f"rw-{uuid.uuid4().hex[:6]}"
+    env.request(session, [LLM, {"checkpoint": True}, LLM])
+    env.wait(session, finished)
+    where = "WHERE namespace = $1 AND session_id = $2"
+    (row,) = _snapshot_sql(env, f"SELECT state FROM agentlog_snapshots.snapshots {where}", env.namespace, session)
+    # Marked cancel-requested at the checkpoint: nothing after the cut clears it, so trusting it shows.
+    state = {**json.loads(row["state"]), "cancel_requested": True}
+    _snapshot_sql(
+        env,
+        f"UPDATE agentlog_snapshots.snapshots SET state = $3, digest = $4 {where}",
+        env.namespace,
+        session,
+        json.dumps(state),
+        json_digest(state),
+    )
+    (row,) = _snapshot_sql(
+        env, f"SELECT state, digest FROM agentlog_snapshots.snapshots {where}", env.namespace, session
+    )
+    assert json_digest(json.loads(row["state"])) == row["digest"], "the row is consistent with itself"
+    replayed, full = _replay_both_ways(env, session)
+    assert replayed.source == "log", "a snapshot whose digest is not its CheckpointTaken's is ignored"
+    assert not full.state.cancel_requested and not replayed.state.cancel_requested
+    assert state_to_json(replayed.state) == state_to_json(full.state)
 
 
 def test_automatic_checkpoints_every_n_events(pg_url: str, namespace: str, tmp_path: Path) -> None:

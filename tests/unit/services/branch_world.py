@@ -324,6 +324,28 @@ class World:
     def sessions(self) -> list[str]:
         return sorted(self.events)
 
+    def waits_on(self, session: str) -> tuple[str, ...]:
+        """What an unfinished session waits on, by the planner's next move: ``call:<id>`` for a
+        call of its own still in flight, else the unfinished sessions a merge of it waits for.
+        Empty: it waits on nothing that can ever move (a fork without its lineage record, a merge
+        waiting for a session that does not exist or is over, ...)."""
+        state = self.state(session)
+        move = next_move(state, PROGRAMS.get(state.program), checkpoint_every=self.checkpoint_every)
+        branches: tuple[str, ...] = ()
+        match move:
+            case WaitFor():
+                tool = state.tool_calls.get(move.call_id)
+                return (f"call:{move.call_id}",) if tool is not None and tool.in_flight else ()
+            case MergeBranches():
+                branches = move.branch_session_ids
+            case StartBranches():
+                branches = tuple(b for b, _ in move.branches)
+            case _:
+                return ()
+        waiting = merge_plan({b: self.own_state(b) for b in branches}, session).waiting_for
+        alive = all(b in self.events and not self.state(b).finished for b in waiting)
+        return tuple(waiting) if alive else ()
+
     def settle(self, max_rounds: int = 400) -> None:
         """Run every role on every session until nothing moves."""
         for _ in range(max_rounds):

@@ -133,11 +133,21 @@ def test_random_histories_never_repeat_an_irreversible_effect_and_replay_the_sam
         _check(world)
     world.settle()
     _check(world)
-    for session in world.sessions():
-        state = world.state(session)
-        # Settled: a session is done, or waits on something named (a merge of a branch, a restore's
-        # compensation, a call in doubt) -- never stuck on nothing.
-        if not state.finished:
-            assert (
-                state.pending_commands or state.parent_session_id or any(t.in_flight for t in state.tool_calls.values())
-            ), f"{session} is stuck: {state.status}"
+    # Settled: a session is finished, or waits on something named (a call of its own in flight, or
+    # unfinished sessions a merge waits for) -- never stuck on nothing, forks included.
+    waits = {s: world.waits_on(s) for s in world.sessions() if not world.state(s).finished}
+    for session, on in waits.items():
+        assert on, f"{session} is stuck: {world.state(session).status}"
+    # ...and what sessions wait on ends in calls: no cycle of sessions waiting on each other.
+    done: set[str] = set()
+    for session in waits:
+        path = [session]
+        while path[-1] not in done:
+            after = [o for o in waits[path[-1]] if o in waits and o not in done]
+            if not after:
+                done.add(path.pop())
+                if not path:
+                    break
+                continue
+            assert after[0] not in path, f"sessions wait on each other: {path + after[:1]}"
+            path.append(after[0])
