@@ -183,13 +183,14 @@ def test_a_restarted_vllm_is_a_new_epoch_and_the_bridge_follows_it(
     config = VllmServerConfig(model=str(TINY_MODEL), run_dir=run_dir, num_gpu_blocks=NUM_GPU_BLOCKS)
     if not Path(config.python).exists() or not (TINY_MODEL / "model.safetensors").exists():
         _unavailable("needs the vLLM venv and the tiny model to start a second server")
-    own = Vllm(config.url, config.served_model_name, config.kv_events, config.kv_replay, config.control)
     log_path = tmp_path / "bridge.log"
 
     async def epoch_of(c: VllmClient) -> str:
         return str((await c.control.call("hello"))["epoch"])
 
     async def scenario(server: VllmServer) -> tuple[list[str], dict[str, tuple[str, ev.Event]], list[LoggedEvent]]:
+        # Built once the server has started: start() picks the port (kept across the restart).
+        own = Vllm(config.url, config.served_model_name, config.kv_events, config.kv_replay, config.control)
         bridge = start_bridge(own, pg_url, namespace, log_path)
         try:
             async with vllm_client(own) as c:
