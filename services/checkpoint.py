@@ -11,8 +11,10 @@ checkpoint, and ``fold(all records)`` equals ``fold_from(snapshot at the cut,
 records at or after the cut)``.
 
 **Digest.** ``state_digest`` = SHA-256 of the canonical JSON (sorted keys, no
-spaces) of ``state_to_json(state)`` without the set of applied event ids (the
-digest is about what the session *is*, not how many times an event was seen).
+spaces) of ``state_to_json(state)``, the sorted set of applied event ids
+included: that set decides which later records a fold skips as already seen, so
+a snapshot whose ids were swapped (same count, other ids) would fold a tail
+differently, and its digest must not match.
 
 **Restore eligibility** (``restore_plan``), over the steps at or after the
 checkpoint's step bound, in the current generation:
@@ -36,6 +38,9 @@ inherited is its parent's history, already the parent's):
   irreversible calls that completed, started or are in doubt) on the same
   resource conflict; a call's resource is ``ToolCallProposed.resource``, else
   ``<tool>:<resource|account|path argument>``;
+- a branch that waits, directly or through other sessions, to merge the parent
+  (``merge_cycle``: pending merge requests, unfinished fork steps) conflicts:
+  each would wait for the other's end forever;
 - otherwise the merge waits until every branch finished (or failed), then
   applies: ``results`` holds each branch's final output (or its failure).
 """
@@ -131,8 +136,7 @@ def state_digest(state: SessionState) -> str:
 
 def json_digest(data: Mapping[str, Any]) -> str:
     """``state_digest`` of the state ``data`` is the JSON of (``state_to_json``), without rebuilding it."""
-    canonical = {k: v for k, v in data.items() if k != "applied"}
-    return hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 # ----------------------------------------------------------- serialization
@@ -418,10 +422,49 @@ class MergePlan:
         return bool(self.conflicts)
 
 
-def merge_plan(branches: Mapping[str, SessionState], parent: str | None = None) -> MergePlan:
+def merge_waits(state: SessionState) -> tuple[frozenset[str], tuple[str, ...]]:
+    """Whose end the session waits for to merge: the branches its pending merge requests name,
+    and (as id prefixes) the branches of its own fork steps that have not merged yet."""
+    named = frozenset(
+        b for c in state.pending_commands if isinstance(c.body, ev.MergeRequested) for b in c.body.branch_session_ids
+    )
+    prefixes = tuple(
+        f"{state.session_id}.{s.call_id}."
+        for s in state.planner_steps.values()
+        if s.kind == "fork" and not s.done and s.origin is None
+    )
+    return named, prefixes
+
+
+def merge_cycle(parent: str, branches: Iterable[str], states: Mapping[str, SessionState]) -> tuple[str, ...]:
+    """A chain ``(branch, ..., parent)`` of unfinished sessions, each waiting to merge the next,
+    as far as ``states`` shows; empty if there is none. Merging such a branch would wait forever."""
+    paths: list[tuple[str, ...]] = [(b,) for b in sorted(branches) if b != parent]
+    seen: set[str] = set()
+    while paths:
+        path = paths.pop(0)  # breadth first: the shortest cycle is named
+        state = states.get(path[-1])
+        if path[-1] in seen or state is None or state.finished:
+            continue  # a finished session waits for nobody
+        seen.add(path[-1])
+        named, prefixes = merge_waits(state)
+        if parent in named or parent.startswith(prefixes):
+            return (*path, parent)
+        children = {s for s in states if s.startswith(prefixes)} if prefixes else set()
+        paths.extend((*path, nxt) for nxt in sorted(named | children))
+    return ()
+
+
+def merge_plan(
+    branches: Mapping[str, SessionState],
+    parent: str | None = None,
+    others: Mapping[str, SessionState] | None = None,
+) -> MergePlan:
     """Conflicts between branches, or the branches still running, or each branch's result.
 
-    A session merged into itself is a conflict too (it would wait for its own end forever).
+    A session merged into itself is a conflict too (it would wait for its own end forever), and
+    so is a branch that waits to merge the parent (``others``: the states of further sessions
+    the branches wait for, to find longer cycles).
     """
     conflicts: list[str] = []
     touched: dict[str, list[tuple[str, str]]] = {}
@@ -448,6 +491,13 @@ def merge_plan(branches: Mapping[str, SessionState], parent: str | None = None) 
     if conflicts:
         return MergePlan(tuple(conflicts), tuple(shared))
     waiting = tuple(b for b, s in branches.items() if not s.finished)
+    if waiting and parent is not None:
+        for waiting_id in waiting:
+            if cycle := merge_cycle(parent, [waiting_id], {**(others or {}), **branches}):
+                chain = ", which waits for ".join(cycle)
+                conflicts.append(f"merge cycle: {parent} waits for {chain}; neither can end first")
+        if conflicts:
+            return MergePlan(tuple(conflicts))
     if waiting:
         return MergePlan(waiting_for=waiting)
     results: dict[str, Any] = {}

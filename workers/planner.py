@@ -48,6 +48,7 @@ from services.checkpoint import (
     after_cut,
     fold_events,
     merge_plan,
+    merge_waits,
 )
 from services.planning import (
     ApplyRestore,
@@ -340,7 +341,7 @@ class PlannerWorker(SessionWorker):
     async def _merge(self, state: SessionState, branch_ids: tuple[str, ...], *, cause: str | None, key: str) -> bool:
         sid = state.session_id
         branches = {b: fold_events(b, cut_events(await self.log.history(b))) for b in branch_ids}
-        plan = merge_plan(branches, sid)
+        plan = merge_plan(branches, sid, await self._merge_waiters(branches))
         if not plan.conflicted and plan.waiting_for:
             for branch in plan.waiting_for:
                 self._waiting_on.setdefault(branch, set()).add(sid)
@@ -360,6 +361,19 @@ class PlannerWorker(SessionWorker):
             )
         await self.append(sid, body, kind="merge", key=key, cause=cause)
         return True
+
+    async def _merge_waiters(self, branches: dict[str, SessionState], limit: int = 64) -> dict[str, SessionState]:
+        """The sessions the branches wait to merge, and whom those wait for, and so on (at most
+        ``limit``): what ``merge_plan`` needs to see a merge cycle."""
+        others: dict[str, SessionState] = {}
+        todo = [s for s in branches.values() if not s.finished]
+        while todo and len(others) < limit:
+            named, _prefixes = merge_waits(todo.pop())
+            for sid in sorted(named - others.keys() - branches.keys()):
+                state = others[sid] = fold_events(sid, cut_events(await self.log.history(sid)))
+                if not state.finished:
+                    todo.append(state)
+        return others
 
     async def _call_engine(self, state: SessionState, move: CallEngine) -> None:
         sid = state.session_id

@@ -416,6 +416,24 @@ def test_merge_conflicts_on_a_shared_resource_and_merges_cleanly_otherwise(env: 
     assert unknown.exit_code != 0 and "no branch session 'ghost-branch'" in unknown.output
 
 
+def test_two_sessions_merging_each_other_get_a_merge_conflict_instead_of_waiting_forever(env: Env) -> None:
+    a, b = (f"cy-{uuid.uuid4().hex[:6]}-{x}" for x in "ab")
+    for session in (a, b):
+        payment = {"tool": "payment", "arguments": {"account": f"acct-{session}", "amount_cents": 5}}
+        env.request(session, [LLM, payment, LLM])  # held at the payment until approved: both stay unfinished
+        env.wait(session, lambda s: "tool-1" in s.tool_calls, approve=False)
+    for parent, branch in ((a, b), (b, a)):
+        assert env.logctl("merge", parent, "--from", branch, "--no-wait").exit_code == 0
+    states = {s: env.wait(s, finished, timeout_s=90) for s in (a, b)}  # approves the payments
+    conflicts = [c for s in states.values() for c in s.merge_conflicts]
+    merges = [m for s in states.values() for m in s.merges]
+    # Whichever merge the planner looks at first sees the other waiting for it: that one is refused,
+    # the other waits for its branch to finish and applies.
+    assert len(conflicts) == 1 and len(merges) == 1, (conflicts, merges)
+    assert conflicts[0].conflicts[0].startswith("merge cycle: ")
+    assert {conflicts[0].branch_session_ids[0], merges[0].branch_session_ids[0]} == {a, b}
+
+
 def test_on_kafka_a_fork_reuses_the_prefix_and_its_restore_compensates_its_own_booking(kafka_env: Env) -> None:
     env = kafka_env
     parent = f"kp-{uuid.uuid4().hex[:6]}"

@@ -250,7 +250,8 @@ class World:
         return self.planner_append(fork, created, "fork") or new
 
     def merge(self, session: str, branches: tuple[str, ...], cause: str | None, key: str) -> bool:
-        plan = merge_plan({b: self.own_state(b) for b in branches}, session)
+        others = {s: self.own_state(s) for s in self.sessions()}
+        plan = merge_plan({b: self.own_state(b) for b in branches}, session, others)
         if not plan.conflicted and plan.waiting_for:
             return False
         body: ev.MergeApplied | ev.MergeConflict

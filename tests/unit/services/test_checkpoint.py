@@ -54,6 +54,16 @@ def test_a_checkpoint_records_cut_digest_and_effects_and_its_snapshot_replays_to
     assert state_to_json(state_from_json(state_to_json(state))) == state_to_json(state)
 
 
+def test_the_digest_covers_the_applied_event_ids_not_only_their_number() -> None:
+    # Which records a fold skips as already seen is part of the state: swapping one applied id
+    # for another (same count) must change the digest, so such a snapshot is not trusted.
+    state = finished_world([LLM, ECHO]).state("s")
+    data = state_to_json(state)
+    swapped = {**data, "applied": sorted([*data["applied"][1:], "not-an-event-of-this-session"])}
+    assert len(swapped["applied"]) == len(data["applied"])
+    assert json_digest(swapped) != json_digest(data) == state_digest(state)
+
+
 def test_cut_is_past_every_read_record_and_the_end_offsets_read_before() -> None:
     world = finished_world([LLM, ECHO])
     events = world.events["s"]
@@ -165,6 +175,37 @@ def test_merge_rules_in_doubt_and_shared_resources_conflict_clean_branches_merge
     world.operator("p", ev.MergeRequested(author="t", branch_session_ids=["a", "c"]))
     world.settle()
     assert json.loads(world.state("p").merges[0].results_json).keys() == {"a", "c"}
+
+
+def test_a_merge_cycle_is_a_conflict_instead_of_a_wait_forever() -> None:
+    # a merges b, b merges c, c merges a: each would wait for the next one's end forever.
+    world = World()
+    for name in ("a", "b", "c"):
+        world.request(name, [LLM, LLM])
+        world.planner(name)
+    for parent, branch in (("a", "b"), ("b", "c"), ("c", "a")):
+        world.operator(parent, ev.MergeRequested(author="t", branch_session_ids=[branch]))
+    world.settle()
+    states = {name: world.state(name) for name in ("a", "b", "c")}
+    assert all(s.finished for s in states.values())
+    # The first merge the planner looked at (a's) is refused, naming the cycle; that breaks it.
+    assert [c.conflicts for c in states["a"].merge_conflicts] == [
+        ["merge cycle: a waits for b, which waits for c, which waits for a; neither can end first"]
+    ]
+    assert [m.branch_session_ids for m in states["c"].merges] == [["a"]]
+    assert [m.branch_session_ids for m in states["b"].merges] == [["c"]]
+    assert not states["b"].merge_conflicts and not states["c"].merge_conflicts
+
+
+def test_a_branch_of_a_fork_step_cannot_merge_its_waiting_parent() -> None:
+    world = World()
+    world.request("p", [LLM, {"fork": [{"steps": [LLM, LLM]}]}, LLM])
+    for _ in range(4):
+        world.planner("p")
+    branch = "p.fork-1.0"
+    assert branch in world.events and not world.state("p").finished  # p waits for its branch
+    plan = merge_plan({"p": world.own_state("p")}, branch, {branch: world.own_state(branch)})
+    assert plan.conflicts == (f"merge cycle: {branch} waits for p, which waits for {branch}; neither can end first",)
 
 
 def test_a_program_forks_itself_waits_and_merges() -> None:
