@@ -17,6 +17,7 @@ from cli.sessions import SessionBook, read_sessions, replay_check, summarize
 from log import open_log
 from schemas import events as ev
 from services.programs import PROGRAMS
+from services.session import SessionState
 
 
 def register(app: typer.Typer) -> None:
@@ -229,16 +230,21 @@ def replay(
     """A session's timeline across topics; --check re-folds it and reports any nondeterminism."""
     from cli.render import event_line, event_to_json
     from services.session import fold
+    from workers.replay import add_parent_history
 
-    async def read() -> list[Any]:
+    async def read() -> tuple[list[Any], SessionState]:
         async with open_log(log_url, actor="auditor") as log:
-            return await log.history(session_id)
+            events = await log.history(session_id)
+            state = fold(session_id, [e.envelope for e in events])
+            if check:  # a fork's program ran on its parent's history up to the fork point: re-run it on that too
+                await add_parent_history(log, None, state)
+            return events, state
 
-    events = asyncio.run(read())
+    events, state = asyncio.run(read())
     if not events:
         typer.echo(f"no events for session {session_id}", err=True)
         raise typer.Exit(1)
-    problems = replay_check(fold(session_id, [e.envelope for e in events])) if check else []
+    problems = replay_check(state) if check else []
     if as_json:
         typer.echo(json.dumps({"events": [event_to_json(e) for e in events], "problems": problems}))
     else:

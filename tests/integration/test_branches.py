@@ -364,6 +364,9 @@ def test_fork_reuses_the_parent_prefix_and_never_reruns_its_effects(env: Env) ->
     assert first.call_id == "llm-3"
     assert first.cached_tokens >= 256, f"the fork's first call recomputed its parent's prefix: {first}"
     assert json.loads(state.output_json or "{}")["tools"][0]["tool"] == "book"  # inherited, as history
+    # Re-running the fork's program needs its parent's history up to the fork point too.
+    checked = env.logctl("replay", child, "--check")
+    assert checked.exit_code == 0 and "deterministic, matches the log" in checked.output, checked.output
 
 
 def test_a_program_forks_itself_and_merges_its_branches(env: Env) -> None:
