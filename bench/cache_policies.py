@@ -184,6 +184,11 @@ class Metrics:
     forced: int = 0
     peak_live_blocks: int = 0
     max_call_blocks: int = 0
+    preemptions: int = 0  # batch engine: running calls preempted (recompute) for lack of blocks
+    preempt_recomputed_tokens: int = 0  # of computed_tokens: recomputed on resuming a preempted call
+    steps: int = 0  # batch engine: decode steps run
+    batch_s: float = 0.0  # batch engine: running calls integrated over time (mean batch = batch_s / busy_s)
+    busy_s: float = 0.0  # batch engine: time spent running steps
 
 
 class Sim:
@@ -230,6 +235,7 @@ class Sim:
             if kind == "ready":
                 self._ready(self.sessions[sid], t)
             elif kind == "done":
+                self._running_blocks = 0
                 self._done(self.sessions[sid], t)
             if self.busy_until <= t:
                 if self.queue:
@@ -343,7 +349,6 @@ class Sim:
         return released > 0
 
     def _done(self, s: Sess, t: float) -> None:
-        self._running_blocks = 0
         turn = s.trace.turns[s.turn]
         s.turn += 1
         if turn.tool is None:
@@ -364,7 +369,12 @@ class Sim:
         return len(self.cache.blocks_of(sid).gpu_block_ids)
 
     def pinned(self) -> list[SessionId]:
-        return [sid for sid in self.cache.session_ids() if self.cache.blocks_of(sid).pinned]
+        """Pinned sessions not in a call (a running call's blocks cannot be evicted)."""
+        return [
+            sid
+            for sid in self.cache.session_ids()
+            if self.cache.blocks_of(sid).pinned and self.sessions[sid].phase is not Phase.LLM
+        ]
 
     def evict(self, sid: SessionId, now: float) -> None:
         """Swap out if the host has room and swap-in is cheaper than recompute, else release to the LRU
@@ -374,6 +384,278 @@ class Sim:
             self.swap_out(sid, now)
         else:
             self.cache.release(sid)
+
+
+@dataclass(slots=True, eq=False)
+class Call:
+    """One admission of an LLM call to the batch (a call preempted and resumed is admitted again)."""
+
+    sess: Sess
+    seq: int  # admission order: the newest running call is preempted first
+    start: int  # global index of its first step (its prefill, which also samples its first token)
+    prompt: int  # tokens prefilled (or hit) at admission: the turn's prompt plus what earlier admissions generated
+    steps: int  # steps to its last token (tokens it still generates)
+    slots: int  # token slots reserved (whole blocks)
+    blocks: int  # blocks in its block table
+    active: bool = True
+
+    @property
+    def end(self) -> int:
+        """Index of its last step."""
+        return self.start + self.steps - 1
+
+    @property
+    def grow_at(self) -> int:
+        """First step that needs more slots than reserved (step ``start + j`` needs ``prompt + j``)."""
+        return self.start + self.slots - self.prompt + 1
+
+
+class BatchSim(Sim):
+    """The continuous-batching engine model (iteration-level scheduling, as vLLM's).
+
+    Every step, each running call decodes one token; a call admitted at a step also prefills its
+    prompt in that step. A step costs ``CostModel.batch_step_ms`` (the weight read once, per-sequence
+    compute, every sequence's KV) plus the prefill work, swap-ins and transfers of the calls and
+    managers that joined or acted since the previous step; a call alone takes exactly the serial
+    model's time. Scheduling at a step boundary, like vLLM's scheduler: first the running calls
+    that need a block get one (``extend_call``); if there is none the manager's ``make_room`` is
+    asked, and if it frees nothing the newest running call is preempted (its blocks freed, cached
+    ones kept in the LRU; it goes back to the head of the queue and recomputes its prompt and what
+    it generated, vLLM's default ``recompute`` preemption). Then waiting calls are admitted in FIFO
+    order while the call's whole reservation (prompt plus every decode slot, less GPU prefix hits)
+    fits in the free blocks (``make_room`` is asked when it does not; if it frees nothing the queue
+    waits: head-of-line, as vLLM's FCFS) and fewer than ``max_num_seqs`` calls run. A call's blocks
+    are allocated as it grows, one per ``block_size`` tokens, so preemption can still happen.
+
+    For speed, steps run in chunks while the batch is unchanged (no call ends, nothing can be
+    admitted): a chunk ends at the step boundary at or after the next event (an arrival or a tool's
+    end) and at most ``block_size`` steps later; the blocks a call needs within the chunk are
+    allocated at its start (at most ``block_size - 1`` steps early). Step times are exact.
+    """
+
+    def __init__(self, trace: Trace, manager: Manager, gpu_blocks: int, host_blocks: int, cost: CostModel,
+                 max_num_seqs: int = 256) -> None:  # fmt: skip
+        super().__init__(trace, manager, gpu_blocks, host_blocks, cost)
+        self.max_num_seqs = max_num_seqs
+        self.step = 0  # index of the next step
+        self.running: dict[SessionId, Call] = {}
+        self._finish: list[tuple[int, int, Call]] = []  # (end, seq, call)
+        self._grow: list[tuple[int, int, Call]] = []  # (grow_at, seq, call), calls that need a block before their end
+        self._call_seq = 0
+        self._ctx_base = 0  # sum over running calls of prompt - start: their contexts at step k total this + B * k
+        self._debt_ms = 0.0  # work the next step pays first: prefills, swap-ins, transfers
+        self._stepping = False
+        self._chunk_steps = 0
+        self._chunk_started = 0.0
+        self._chunk_batch = 0
+        self._resume: dict[SessionId, int] = {}  # preempted session -> tokens its call generated so far
+
+    def run(self) -> Metrics:
+        for s in self.sessions.values():
+            s.ready_at = s.trace.arrival_s
+            self.push(s.trace.arrival_s, "ready", s.sid)
+        ran = False  # a chunk with calls ended at this time (then an engine left idle calls on_idle)
+        while self._events:
+            t, _, kind, sid = heapq.heappop(self._events)
+            held = self.cache.num_gpu_blocks - self.cache.num_free_blocks - self._running_blocks
+            self.m.idle_block_s += max(0, held) * (t - self._last_t)
+            self._last_t = t
+            expired = self.cache.expire(t)
+            if expired:
+                self.manager.on_expire(expired, t)
+            if kind == "ready":
+                self._ready(self.sessions[sid], t)
+            elif kind == "step":
+                ran |= self._step_end(t)
+            if self._events and self._events[0][0] <= t:
+                continue  # everything that happens at t happens before the engine schedules
+            if not self._stepping:
+                self._plan(t)
+                if ran and not self._stepping and not self.queue:
+                    self.manager.on_idle(t)
+                    self._plan(t)
+            ran = False
+        self.m.swapped_out_blocks = self.cache.stats.num_swapped_out_blocks
+        self.m.steps = self.step
+        return self.m
+
+    def transfer(self, num_blocks: int, now: float) -> None:
+        """Transfers are serialized with compute: the next step pays for them (an idle engine runs them at once)."""
+        ms = self.cost.swap_ms(num_blocks)
+        self.m.transfer_s += ms / _MS
+        self._debt_ms += ms
+
+    # -------------------------------------------------------------- scheduling
+
+    def _plan(self, t: float) -> None:
+        """At a step boundary with the engine free: grow, preempt, admit, then start the next chunk."""
+        self._grow_now(t)
+        while True:
+            self._admit(t)
+            if self.running or not self.queue:
+                break
+            # Nothing runs, yet the head of the queue does not fit and the manager made no room.
+            if not self._release_all():
+                raise RuntimeError(f"call of {self.queue[0]} does not fit in {self.cache.num_gpu_blocks} blocks")
+            self.m.forced += 1
+        limit = self._grow_ahead()
+        if not self.running:
+            if self._debt_ms > 0:  # a transfer with nothing to run: the engine is busy with it
+                self._start_chunk(t, 0, self._debt_ms / _MS)
+            return
+        while not self._finish[0][2].active:
+            heapq.heappop(self._finish)
+        b = len(self.running)
+        k_max = min(self._finish[0][0] - self.step + 1, limit, self.bs)
+        context = self._ctx_base + b * self.step
+        horizon = self._events[0][0] - t if self._events else math.inf
+        k, ms = 1, self._debt_ms + self.cost.batch_step_ms(b, context)
+        while k < k_max and ms / _MS < horizon:
+            ms += self.cost.batch_step_ms(b, context + b * k)
+            k += 1
+        self._start_chunk(t, k, ms / _MS)
+
+    def _start_chunk(self, t: float, steps: int, duration_s: float) -> None:
+        self._debt_ms = 0.0
+        self._stepping = True
+        self._chunk_steps, self._chunk_started, self._chunk_batch = steps, t, len(self.running)
+        self.push(t + duration_s, "step", SessionId(""))
+
+    def _step_end(self, t: float) -> bool:
+        """The chunk ended: calls whose last step it ran finish. True if any call ran."""
+        self._stepping = False
+        self.step += self._chunk_steps
+        self.m.batch_s += self._chunk_batch * (t - self._chunk_started)
+        self.m.busy_s += (t - self._chunk_started) if self._chunk_steps else 0.0
+        done: list[Call] = []
+        while self._finish and self._finish[0][0] < self.step:
+            _, _, call = heapq.heappop(self._finish)
+            if call.active:
+                done.append(call)
+        for call in done:
+            self._finish_call(call, t)
+        return self._chunk_steps > 0
+
+    def _finish_call(self, call: Call, t: float) -> None:
+        s = call.sess
+        self._remove(call)
+        n_computed = (call.prompt + call.steps - 1) // self.bs  # full blocks whose KV the call computed
+        if n_computed > (call.prompt // self.bs):
+            self.cache.cache_blocks(s.sid, s.hashes[:n_computed])
+        self.cache.end_call(s.sid, t)
+        self._done(s, t)
+
+    def _remove(self, call: Call) -> None:
+        call.active = False
+        del self.running[call.sess.sid]
+        self._ctx_base -= call.prompt - call.start
+        self._running_blocks -= call.blocks
+
+    def _grow_now(self, t: float) -> None:
+        """Give a block to every running call that needs one at this step; make room or preempt."""
+        while self._grow and self._grow[0][0] <= self.step:
+            grow_at, _, call = self._grow[0]
+            if not call.active or grow_at != call.grow_at:
+                heapq.heappop(self._grow)
+                continue
+            if self._extend(call):
+                continue
+            if self.manager.make_room(1, t, call.sess):
+                continue
+            self._preempt(max(self.running.values(), key=lambda c: c.seq), t)
+
+    def _grow_ahead(self) -> int:
+        """Allocate the blocks running calls need within the next ``block_size`` steps, soonest
+        first; returns how many steps can run before a call needs a block it could not get."""
+        while self._grow and self._grow[0][0] < self.step + self.bs:
+            grow_at, _, call = self._grow[0]
+            if not call.active or grow_at != call.grow_at:
+                heapq.heappop(self._grow)
+                continue
+            if not self._extend(call):
+                return grow_at - self.step
+        return self.bs
+
+    def _extend(self, call: Call) -> bool:
+        """One more block for the call (True), or False (nothing changed) when none is free."""
+        try:
+            self.cache.extend_call(call.sess.sid, self.bs)
+        except OutOfBlocks:
+            return False
+        heapq.heappop(self._grow)
+        call.slots += self.bs
+        call.blocks += 1
+        self._running_blocks += 1
+        if call.grow_at <= call.end:
+            heapq.heappush(self._grow, (call.grow_at, call.seq, call))
+        return True
+
+    def _preempt(self, call: Call, t: float) -> None:
+        """Recompute preemption: the call's blocks go (its computed full blocks stay cached in the
+        LRU, so what survives is a prefix hit on resume); it waits at the head of the queue."""
+        s = call.sess
+        ran = self.step - call.start  # steps this admission ran: tokens it generated
+        assert ran >= 1, "a call is preempted only after its first step"
+        computed = (call.prompt + ran - 1) // self.bs
+        if computed > call.prompt // self.bs:
+            self.cache.cache_blocks(s.sid, s.hashes[:computed])
+        self._remove(call)
+        self.cache.end_call(s.sid, t)
+        generated = call.prompt - self._turn_prompt(s) + ran
+        self._resume[s.sid] = generated
+        self.queue.appendleft(s.sid)
+        self.m.preemptions += 1
+
+    def _turn_prompt(self, s: Sess) -> int:
+        """The turn's prompt: the session's tokens less the call's output (appended at its first admission)."""
+        return len(s.tokens) - s.trace.turns[s.turn].output_tokens
+
+    def _admit(self, t: float) -> None:
+        while self.queue and len(self.running) < self.max_num_seqs:
+            s = self.sessions[self.queue[0]]
+            turn = s.trace.turns[s.turn]
+            generated = self._resume.get(s.sid)
+            first = generated is None
+            n_turn_prompt = len(s.tokens) if first else self._turn_prompt(s)
+            n_prompt = n_turn_prompt + (generated or 0)
+            steps = turn.output_tokens - (generated or 0)
+            prompt_hashes = s.hashes[: n_prompt // self.bs]
+            need, available = self.cache.blocks_to_begin(
+                prompt_hashes, num_prompt_tokens=n_prompt, num_decode_tokens=steps - 1
+            )
+            if need > available:
+                if self.manager.make_room(need - available, t, s):
+                    continue
+                return
+            self.queue.popleft()
+            alloc = self.cache.begin_call(s.sid, prompt_hashes, num_prompt_tokens=n_prompt, now=t)
+            slots = -(-n_prompt // self.bs) * self.bs
+            self.cache.extend_call(s.sid, slots - n_prompt)  # the rest of its last block: no new block
+            if first:
+                self.m.max_call_blocks = max(self.m.max_call_blocks, need)
+                s.append(TokenRun(f"{s.sid}:o{s.turn}", turn.output_tokens), self.bs)
+                live = sum(-(-len(self.sessions[x].tokens) // self.bs) for x in self._live)
+                self.m.peak_live_blocks = max(self.m.peak_live_blocks, live)
+                self.queue_delay_s = 0.8 * self.queue_delay_s + 0.2 * (t - s.ready_at)
+                s.phase = Phase.LLM
+            else:
+                del self._resume[s.sid]
+                self.m.preempt_recomputed_tokens += alloc.num_computed_tokens
+            self.on_host.pop(s.sid, None)
+            self.m.prompt_tokens += n_prompt
+            self.m.computed_tokens += alloc.num_computed_tokens
+            self.m.swapped_in_blocks += alloc.num_swapped_in_blocks
+            swap_in = self.cost.swap_ms(alloc.num_swapped_in_blocks)
+            self.m.transfer_s += swap_in / _MS
+            self._debt_ms += swap_in + self.cost.prefill_ms(alloc.num_computed_tokens, alloc.num_reused_tokens)
+            call = Call(s, self._call_seq, self.step, n_prompt, steps, slots, len(alloc.block_ids))
+            self._call_seq += 1
+            self.running[s.sid] = call
+            self._ctx_base += call.prompt - call.start
+            self._running_blocks += call.blocks
+            heapq.heappush(self._finish, (call.end, call.seq, call))
+            if call.grow_at <= call.end:
+                heapq.heappush(self._grow, (call.grow_at, call.seq, call))
 
 
 # ------------------------------------------------------------------ managers
@@ -605,16 +887,19 @@ def make_manager(name: str) -> Manager:
 # ------------------------------------------------------------------ workloads and sweep
 
 
-def service_s(trace: Trace, cost: CostModel) -> float:
+def service_s(trace: Trace, cost: CostModel, batch: int = 1) -> float:
     """Engine seconds per session with a perfect cache (each call prefills only what was
-    appended since the previous one: the tool result and the new prompt)."""
+    appended since the previous one: the tool result and the new prompt), its calls decoding
+    in batches of ``batch`` sequences that share each step's weight read (its share: 1 / batch)."""
+    shared = cost.decode_step_fixed_ms * (1.0 - 1.0 / batch)
     total = 0.0
     for s in trace:
         context = 0
         pending = 0
         for turn in s.turns:
             new = pending + turn.prompt_tokens
-            total += cost.prefill_ms(new, context) + cost.decode_ms(turn.output_tokens, context + new)
+            decode = cost.decode_ms(turn.output_tokens, context + new) - turn.output_tokens * shared
+            total += cost.prefill_ms(new, context) + decode
             context += new + turn.output_tokens
             pending = turn.tool_result_tokens or 0
     return total / _MS / max(1, len(trace))
@@ -739,10 +1024,21 @@ class Row:
     transfer_s: float
     idle_gb_s: float
     forced: int
+    preemptions: int = 0
+    mean_batch: float = 1.0  # running calls, averaged over the time the engine computes
 
 
-def run_one(trace: Trace, policy: str, gpu_blocks: int, cost: CostModel) -> Metrics:
-    return Sim(trace, make_manager(policy), gpu_blocks, gpu_blocks, cost).run()
+ENGINES = ("batch", "serial")
+MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs
+
+
+def run_one(trace: Trace, policy: str, gpu_blocks: int, cost: CostModel, engine: str = "batch") -> Metrics:
+    """One policy on one trace; the host tier is as large as the GPU tier."""
+    if engine == "serial":
+        return Sim(trace, make_manager(policy), gpu_blocks, gpu_blocks, cost).run()
+    if engine == "batch":
+        return BatchSim(trace, make_manager(policy), gpu_blocks, gpu_blocks, cost, MAX_NUM_SEQS).run()
+    raise ValueError(f"unknown engine {engine!r}: one of {ENGINES}")
 
 
 def floor_jct(trace: Trace, cost: CostModel) -> float:
@@ -770,29 +1066,44 @@ def row(workload: str, load: float, rate: float, capacity: float, blocks: int, p
         transfer_s=m.transfer_s,
         idle_gb_s=m.idle_block_s * cost.block_bytes / _GB,
         forced=m.forced,
+        preemptions=m.preemptions,
+        mean_batch=m.batch_s / m.busy_s if m.busy_s else 1.0,
     )
 
 
+def engine_s_per_session(trace: Trace, cost: CostModel, engine: str) -> float:
+    """What a load is a fraction of: the engine seconds one session takes at the engine's
+    throughput with a perfect cache. Serial: the session's calls one at a time. Batch: in full
+    batches (``MAX_NUM_SEQS`` sequences share each decode step's weight read), the most
+    sessions per second the engine can serve."""
+    return service_s(trace, cost, batch=MAX_NUM_SEQS if engine == "batch" else 1)
+
+
 def sweep(
-    quick: bool, seed: int, policies: tuple[str, ...], loads: tuple[float, ...] = LOADS, only: str | None = None
+    quick: bool,
+    seed: int,
+    policies: tuple[str, ...],
+    loads: tuple[float, ...] = LOADS,
+    only: str | None = None,
+    engine: str = "batch",
 ) -> list[Row]:
     cost = CostModel()
     rows: list[Row] = []
     for w in workloads(quick, seed):
         if only is not None and w.name not in only.split(","):
             continue
-        per_session = service_s(w.build(1.0), cost)
+        per_session = engine_s_per_session(w.build(1.0), cost, engine)
         for load in loads:
             rate = load / per_session
             trace = w.build(rate)
             total = sum(-(-s.final_context_tokens // cost.block_size) for s in trace) + 1
-            probe = run_one(trace, "vllm", total, cost)
+            probe = run_one(trace, "vllm", total, cost, engine)
             peak = probe.peak_live_blocks
             floor = floor_jct(trace, cost)
             for fraction in CAPACITIES:
                 blocks = max(round(fraction * peak), probe.max_call_blocks + 1)
                 for policy in policies:
-                    m = run_one(trace, policy, blocks, cost)
+                    m = run_one(trace, policy, blocks, cost, engine)
                     rows.append(row(w.name, load, rate, fraction, blocks, peak, policy, m, cost, floor))
             print(f"  {w.name} load {load:g}: {len(trace)} sessions, peak {peak} blocks", file=sys.stderr)
     return rows
@@ -802,7 +1113,8 @@ def print_tables(rows: list[Row], out: TextIO | None = None) -> None:
     out = sys.stdout if out is None else out
     header = (
         f"{'load':>4} {'cap':>4} {'blocks':>6} {'policy':<13} {'meanJCT':>8} {'p95JCT':>8} "
-        f"{'recomp':>9} {'hit':>5} {'swapGB':>7} {'xfer_s':>7} {'idleGBs':>8} {'forced':>6}"
+        f"{'recomp':>9} {'hit':>5} {'swapGB':>7} {'xfer_s':>7} {'idleGBs':>8} {'forced':>6} {'preempt':>7} "
+        f"{'batch':>5}"
     )
     for workload in dict.fromkeys(r.workload for r in rows):
         floor = next(r.floor_jct for r in rows if r.workload == workload)
@@ -812,7 +1124,7 @@ def print_tables(rows: list[Row], out: TextIO | None = None) -> None:
             print(
                 f"{r.load:>4.1f} {r.capacity:>4.0%} {r.gpu_blocks:>6} {r.policy:<13} {r.mean_jct:>8.2f} "
                 f"{r.p95_jct:>8.2f} {r.recomputed:>9} {r.hit_rate:>5.1%} {r.swap_gb:>7.2f} {r.transfer_s:>7.2f} "
-                f"{r.idle_gb_s:>8.1f} {r.forced:>6}",
+                f"{r.idle_gb_s:>8.1f} {r.forced:>6} {r.preemptions:>7} {r.mean_batch:>5.1f}",
                 file=out,
             )
     print_goals(rows, out)
@@ -961,6 +1273,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", type=Path, help="write Markdown tables (mean/p95 JCT, recomputed tokens)")
     parser.add_argument("--workloads", help="comma-separated subset of the workloads (default: all)")
     parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="batch",
+        help="batch: continuous batching limited by free KV blocks (default); serial: one call at a time",
+    )
+    parser.add_argument(
         "--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES)
     )
     args = parser.parse_args(argv)
@@ -969,7 +1287,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown policies {unknown}")
     started = time.perf_counter()
-    rows = sweep(args.quick, args.seed, policies, only=args.workloads)
+    rows = sweep(args.quick, args.seed, policies, only=args.workloads, engine=args.engine)
     print_tables(rows)
     if args.txt:
         with args.txt.open("w") as f:

@@ -26,6 +26,19 @@ published measurements, not measurements of ours; set the fields for other hardw
   0.105 ms per block, about 15x cheaper than recomputing it (1.6 ms).
 - Per-call overhead, 3 ms, and per-swap overhead, 0.2 ms (scheduling, launches,
   synchronization): rough guesses.
+
+**Batched decode** (``batch_step_ms``, ``batch_steps_ms``; for a continuous-batching
+engine model, the cache-policy benchmark's): one decode step of a batch reads the
+weights once, whatever the batch size, and computes and reads KV per sequence. Of
+the 10 ms batch-1 step, ``decode_ms_per_sequence`` = 0.1 ms is per-sequence compute
+(16 GFLOP per token at 160 TFLOPS, as prefill) and the remaining 9.9 ms
+(``decode_step_fixed_ms``) is the weight read every step pays once. So a step of
+``B`` sequences whose contexts total ``C`` tokens costs ``9.9 + 0.1 * B + C *
+decode_ms_per_context_token`` ms, plus the prefill work (``prefill_ms``) of the calls
+that join the batch in that step; with ``B = 1`` the steps of a call add up to
+exactly ``prefill_ms + decode_ms`` (the batch-1 numbers above). Batching stops
+paying at about 100 sequences, where per-sequence compute equals the weight read (the
+roofline's ridge); KV reads grow with every sequence's context.
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ class CostModel:
     hbm_bytes_per_s: float = 2.0e12
     pcie_bytes_per_s: float = 20e9
     swap_overhead_ms: float = 0.2
+    decode_ms_per_sequence: float = 0.1  # of decode_ms_per_token: per-sequence compute in a batched step
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.kv_bytes_per_token <= 0:
@@ -69,6 +83,7 @@ class CostModel:
             self.prefill_attention_ms_per_token_pair,
             self.decode_ms_per_token,
             self.swap_overhead_ms,
+            self.decode_ms_per_sequence,
         )
         if min(times) < 0:
             raise ValueError(f"times must not be negative, got {times}")
@@ -101,6 +116,29 @@ class CostModel:
         _check_counts(num_tokens, context_tokens)
         num_kv_reads = num_tokens * context_tokens + num_tokens * (num_tokens - 1) // 2
         return num_tokens * self.decode_ms_per_token + num_kv_reads * self.decode_ms_per_context_token
+
+    @property
+    def decode_step_fixed_ms(self) -> float:
+        """Of a decode step, what the batch pays once (the weight read), whatever its size."""
+        return max(0.0, self.decode_ms_per_token - self.decode_ms_per_sequence)
+
+    def batch_step_ms(self, num_sequences: int, context_tokens: int) -> float:
+        """One decode step of a batch of ``num_sequences`` whose contexts total ``context_tokens``
+        (each sequence reads its whole context): the weight read once, per-sequence compute,
+        every sequence's KV. 0 for an empty batch. With one sequence it is one step of ``decode_ms``."""
+        return self.batch_steps_ms(1, num_sequences, context_tokens)
+
+    def batch_steps_ms(self, num_steps: int, num_sequences: int, context_tokens: int) -> float:
+        """``num_steps`` consecutive decode steps of the same ``num_sequences`` sequences, whose
+        contexts total ``context_tokens`` at the first step and grow by one token per sequence per
+        step. ``batch_steps_ms(n, 1, c) == decode_ms(n, c)``."""
+        _check_counts(num_steps, num_sequences)
+        _check_counts(context_tokens, 0)
+        if num_steps == 0 or num_sequences == 0:
+            return 0.0
+        per_step = self.decode_step_fixed_ms + num_sequences * (self.decode_ms_per_token - self.decode_step_fixed_ms)
+        num_kv_reads = num_steps * context_tokens + num_sequences * num_steps * (num_steps - 1) // 2
+        return num_steps * per_step + num_kv_reads * self.decode_ms_per_context_token
 
     def swap_ms(self, num_blocks: int) -> float:
         """Time to move ``num_blocks`` between host and GPU over PCIe (either way)."""

@@ -347,8 +347,9 @@ class PagedKVCache:
     cached on GPU, it stays uncached (vLLM caches both copies; we keep "a hash maps to
     at most one block" so that events and the policy's view are exact); one attention
     group; a call reserves its decode slots up front (``num_decode_tokens``) instead of
-    one step at a time, so a running call is never preempted. Pins, the host tier and
-    the per-session bookkeeping are ours (vLLM knows requests, not sessions).
+    one step at a time, so a running call is never preempted (an engine model that grows
+    calls step by step uses ``extend_call`` and preempts with ``end_call``). Pins, the
+    host tier and the per-session bookkeeping are ours (vLLM knows requests, not sessions).
 
     **Verbs per cache decision** (``schemas.events.CacheAction``): PRESERVE ->
     ``pin(session, until)``, SWAP -> ``swap_out``, DISCARD -> ``discard``, PREFETCH ->
@@ -481,6 +482,46 @@ class PagedKVCache:
             num_evicted_blocks=num_evicted,
             block_ids=tuple(block.block_id for block in table),
         )
+
+    def blocks_to_begin(
+        self, block_hashes: Sequence[BlockHash], *, num_prompt_tokens: int, num_decode_tokens: int = 0
+    ) -> tuple[int, int]:
+        """What ``begin_call`` with these arguments would need, without changing anything (no
+        touch, no event): ``(new blocks it would allocate, blocks it could allocate)``. It raises
+        ``OutOfBlocks`` exactly when the first exceeds the second. For an engine that admits a
+        call only if its whole reservation fits but allocates it step by step (``extend_call``)."""
+        max_hit_blocks = (num_prompt_tokens - 1) // self.block_size
+        gpu_hits = [block for block in self._lookup_prefix(block_hashes[:max_hit_blocks]) if block is not None]
+        num_total = -(-(num_prompt_tokens + num_decode_tokens) // self.block_size)
+        num_available = self._free.num_free_blocks - sum(1 for block in gpu_hits if block.is_free)
+        return num_total - len(gpu_hits), num_available
+
+    def extend_call(self, session_id: SessionId, num_tokens: int) -> int:
+        """Reserve ``num_tokens`` more token slots for the running call, as vLLM's
+        ``allocate_slots`` does for each decode step: the blocks the call's reservation now
+        spans beyond its block table come from the head of the free queue (evicting cached
+        ones). Returns how many blocks were allocated. Raises ``OutOfBlocks`` (nothing changed)
+        when the free queue is too short: free memory, or preempt a call (``end_call``).
+
+        Additive: ``begin_call(num_decode_tokens=n)`` still reserves everything up front; an
+        engine that grows calls step by step passes 0 there and extends as it decodes.
+        """
+        session = self._running(session_id)
+        assert session.call_blocks is not None
+        if num_tokens < 0:
+            raise ValueError(f"need num_tokens >= 0, got {num_tokens}")
+        total = session.num_call_tokens + num_tokens
+        num_new = max(0, -(-total // self.block_size) - len(session.call_blocks))
+        if num_new > self._free.num_free_blocks:
+            raise OutOfBlocks(
+                tier=KVTier.GPU, num_needed=num_new, num_available=self._free.num_free_blocks, session_id=session_id
+            )
+        new_blocks, _ = self._allocate(num_new, session_id)
+        for block in new_blocks:
+            block.ref_cnt = 1
+        session.call_blocks.extend(new_blocks)
+        session.num_call_tokens = total
+        return num_new
 
     def cache_blocks(self, session_id: SessionId, block_hashes: Sequence[BlockHash]) -> None:
         """Cache the running call's blocks that became full (like vLLM's ``cache_blocks``).
