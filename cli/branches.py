@@ -72,6 +72,26 @@ def _answer_to(request_id: str) -> Callable[[LoggedEvent], bool]:
     return lambda e: e.envelope.causation_id == request_id and isinstance(e.body, _ANSWERS)
 
 
+async def _ask(
+    log: SharedLog,
+    session_id: str,
+    body: ev.Event,
+    *,
+    wait: bool,
+    timeout_s: float,
+    answer: tuple[str, Callable[[LoggedEvent], bool]] | None = None,
+) -> LoggedEvent | None:
+    """Append the operator's request; when waiting, the planner's answer to it (None: none in time,
+    or not waiting). ``answer``: where else to look for it (a session, a match) than the request's
+    own session for an event naming the request as its cause."""
+    request = str(uuid.uuid4())
+    await log.append(session_id, body, event_id=request)
+    if not wait:
+        return None
+    answer_session, match = answer or (session_id, _answer_to(request))
+    return await _wait_for(log, answer_session, match, timeout_s)
+
+
 def _fail(message: str, code: int = 1) -> None:
     typer.echo(message, err=True)
     raise typer.Exit(code)
@@ -97,13 +117,11 @@ def checkpoint(
             state, _ = await _state(log, session_id)
             if checkpoint_id in state.checkpoints:
                 raise typer.BadParameter(f"{session_id} already has a checkpoint {checkpoint_id!r}")
-            request = str(uuid.uuid4())
             body = ev.CheckpointRequested(author=_author(), checkpoint_id=checkpoint_id)
-            await log.append(session_id, body, event_id=request)
+            answer = await _ask(log, session_id, body, wait=wait, timeout_s=timeout_s)
             if not wait:
                 _emit(as_json, {"requested": checkpoint_id}, f"checkpoint {checkpoint_id} requested for {session_id}")
                 return
-            answer = await _wait_for(log, session_id, _answer_to(request), timeout_s)
             if answer is None or not isinstance(answer.body, ev.CheckpointTaken):
                 _fail(f"no checkpoint within {timeout_s:g} s (is a planner running? is a call in flight?)", 2)
                 return
@@ -139,13 +157,12 @@ def fork(
                 raise typer.BadParameter(f"{session_id} has no checkpoint {at!r} (known: {known})")
             if await log.history(fork_id):
                 raise typer.BadParameter(f"session {fork_id!r} already exists; choose another --as")
-            request = str(uuid.uuid4())
             body = ev.ForkRequested(author=_author(), checkpoint_id=at, fork_session_id=fork_id)
-            await log.append(session_id, body, event_id=request)
+            lineage = (fork_id, lambda e: isinstance(e.body, ev.ForkCreated))
+            created = await _ask(log, session_id, body, wait=wait, timeout_s=timeout_s, answer=lineage)
             if not wait:
                 _emit(as_json, {"fork_session_id": fork_id}, f"fork {fork_id} of {session_id} at {at} requested")
                 return
-            created = await _wait_for(log, fork_id, lambda e: isinstance(e.body, ev.ForkCreated), timeout_s)
             if created is None:
                 _fail(f"the fork was not created within {timeout_s:g} s (is a planner running?)", 2)
             _emit(
@@ -193,13 +210,11 @@ def restore(
                     )
                 _emit(as_json, data, text)
                 return
-            request = str(uuid.uuid4())
             body = ev.RestoreRequested(author=_author(), checkpoint_id=to, dry_run=False)
-            await log.append(session_id, body, event_id=request)
+            answer = await _ask(log, session_id, body, wait=wait, timeout_s=timeout_s)
             if not wait:
                 _emit(as_json, {"requested": to}, f"restore of {session_id} to {to} requested")
                 return
-            answer = await _wait_for(log, session_id, _answer_to(request), timeout_s)
             match answer.body if answer else None:
                 case ev.RestoreApplied() as applied:
                     _emit(
@@ -235,12 +250,11 @@ def merge(
                     raise typer.BadParameter(f"{parent} cannot be merged into itself")
                 if not await log.history(branch):
                     raise typer.BadParameter(f"no branch session {branch!r} in the log")
-            request = str(uuid.uuid4())
-            await log.append(parent, ev.MergeRequested(author=_author(), branch_session_ids=branches), event_id=request)
+            body = ev.MergeRequested(author=_author(), branch_session_ids=branches)
+            answer = await _ask(log, parent, body, wait=wait, timeout_s=timeout_s)
             if not wait:
                 _emit(as_json, {"requested": branches}, f"merge of {', '.join(branches)} into {parent} requested")
                 return
-            answer = await _wait_for(log, parent, _answer_to(request), timeout_s)
             match answer.body if answer else None:
                 case ev.MergeApplied() as applied:
                     _emit(
