@@ -632,7 +632,7 @@ class BatchSim(Sim):
             slots = -(-n_prompt // self.bs) * self.bs
             self.cache.extend_call(s.sid, slots - n_prompt)  # the rest of its last block: no new block
             if first:
-                self.m.max_call_blocks = max(self.m.max_call_blocks, need)
+                self.m.max_call_blocks = max(self.m.max_call_blocks, -(-(n_prompt + steps - 1) // self.bs))
                 s.append(TokenRun(f"{s.sid}:o{s.turn}", turn.output_tokens), self.bs)
                 live = sum(-(-len(self.sessions[x].tokens) // self.bs) for x in self._live)
                 self.m.peak_live_blocks = max(self.m.peak_live_blocks, live)
