@@ -61,6 +61,30 @@ order is the score at the last (re)scoring (gap or TTL end), not re-computed at 
 event: a TTL is at most ``ttl_factor`` times the next-reference distance, which bounds
 how stale a score gets. Heaps are compacted when stale entries outnumber live ones,
 so each event costs O(log n) amortized.
+
+**Finished sessions are forgotten** once nothing can refer to them again, so a
+long-running manager's memory follows the live sessions, not every session it ever saw:
+after the event that leaves a session finished (``SessionFinished`` / ``SessionFailed``
+folded, its ``end`` decision returned), charging nothing on either tier, holding no
+blocks by kv.events on either tier (the engine reports their removal after the
+DISCARD) and running no tool call, its ``_Session`` and its view are dropped and a
+tombstone (its id and the time) is kept for ``forget_after_s``. Late events that can
+still arrive for it, and what they do then:
+
+- ``KVBlocksStored`` (a tier's store reported after the other's removal, e.g. a swap):
+  the session comes back *finished* (view phase FINISHED, hold DISCARDED), so the blocks
+  are counted on their tier (the host is charged) until their removal forgets it again;
+- other kv.events (removals of what it no longer holds, a late ``KVCacheHit``, ...) and
+  agent.effects (a tool call started after the end: its duration is not observed, the
+  tool's name being forgotten): ignored, as they change nothing a decision reads;
+- ``LLMCallStarted`` / ``LLMCallCompleted`` / ``ToolCallProposed`` (a finished session
+  rewound by a restore and running again): the tombstone goes and the session starts
+  afresh (turns and attained service counted from there).
+
+Forgetting is a function of the events folded, in order, like everything else here, so
+a replay forgets the same sessions at the same points and decides the same. An event
+later than ``forget_after_s`` (manager time) after its session was forgotten is taken as
+a new session's.
 """
 
 from __future__ import annotations
@@ -68,7 +92,7 @@ from __future__ import annotations
 import heapq
 import math
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from schemas.events import (
@@ -86,7 +110,7 @@ from schemas.events import (
     ToolCallProposed,
 )
 from services.cache.policy import CacheDecision, CachePolicy, Delays, MemoryState
-from services.cache.view import CacheViewBuilder, SessionView
+from services.cache.view import CacheViewBuilder, Phase, SessionView
 
 __all__ = ["NAMESPACE", "CacheManager", "Decided", "Hold", "ManagerConfig", "decision_event_id"]
 
@@ -94,6 +118,8 @@ NAMESPACE = uuid.UUID("3b0e7f52-51a4-4c55-9d6e-2f6a8c1d9e47")
 """uuid5 namespace of decision event ids."""
 
 _MS_PER_S = 1000.0
+_FINISHING = (SessionFinished, SessionFailed)
+_RUNNING_AGAIN = (LLMCallStarted, LLMCallCompleted, ToolCallProposed)  # a forgotten session lives again
 
 
 def decision_event_id(trigger_id: str, kind: str, session_id: str) -> str:
@@ -112,10 +138,15 @@ class ManagerConfig:
     headroom_blocks: int | None = None
     """GPU blocks a PRESERVE must leave free of pins for the next call; None: the largest
     call seen so far (``need`` of an ``LLMCallStarted``)."""
+    forget_after_s: float = 3600.0
+    """How long (manager seconds) a forgotten session's tombstone stays: its late events are
+    recognised as such until then (see the module docstring)."""
 
     def __post_init__(self) -> None:
         if self.headroom_blocks is not None and self.headroom_blocks < 0:
             raise ValueError(f"headroom_blocks must be >= 0 or None, got {self.headroom_blocks}")
+        if self.forget_after_s < 0:
+            raise ValueError(f"forget_after_s must be >= 0, got {self.forget_after_s}")
         if self.gpu_total_blocks <= 0 or self.host_total_blocks < 0 or self.block_size <= 0:
             raise ValueError(
                 "need gpu_total_blocks > 0, host_total_blocks >= 0 and block_size > 0, got "
@@ -204,6 +235,9 @@ class CacheManager:
     _expiries: list[tuple[float, SessionId, int]] = field(default_factory=list)  # (ttl end, sid, version)
     _num_pinned: int = 0
     _max_need: int = 0
+    # Forgotten sessions -> the manager time they were forgotten at (insertion order is time order).
+    _forgotten: dict[SessionId, float] = field(default_factory=dict)
+    num_forgotten: int = 0
 
     def __post_init__(self) -> None:
         # One latency model: what the builder learns from effects is what the policy predicts with.
@@ -213,7 +247,17 @@ class CacheManager:
 
     def hold(self, session_id: SessionId) -> Hold:
         s = self._sessions.get(session_id)
-        return Hold.NONE if s is None else s.hold
+        if s is None:
+            return Hold.DISCARDED if session_id in self._forgotten else Hold.NONE
+        return s.hold
+
+    @property
+    def num_sessions(self) -> int:
+        """Sessions the manager keeps state for (forgotten ones not counted)."""
+        return len(self._sessions)
+
+    def forgotten(self, session_id: SessionId) -> bool:
+        return session_id in self._forgotten
 
     def view(self, session_id: SessionId) -> SessionView:
         """The session's view as the policy sees it (GPU blocks estimated without kv.events)."""
@@ -221,9 +265,17 @@ class CacheManager:
         s = self._sessions.get(session_id)
         if s is not None:
             if not s.kv_seen:
-                v = replace(v, gpu_blocks=-(-v.context_tokens // self.config.block_size))
+                gpu = -(-v.context_tokens // self.config.block_size)
             elif s.floor > v.gpu_blocks:
-                v = replace(v, gpu_blocks=s.floor)
+                gpu = s.floor
+            else:
+                return v
+            return SessionView(
+                v.session_id, v.phase, v.since, v.tool, v.tool_started_at, v.context_tokens, gpu, v.host_blocks,
+                v.turns, v.attained_service_s,
+            )  # fmt: skip
+        if session_id in self._forgotten:
+            return SessionView(session_id, Phase.FINISHED)
         return v
 
     def memory(self, needed_blocks: int = 0) -> MemoryState:
@@ -248,10 +300,17 @@ class CacheManager:
             self._expire(at, out)
             self.now = at
         now = self.now
-        self.builder.apply(session_id, body, at)
         s = self._sessions.get(session_id)
         if s is None:
-            s = self._sessions[session_id] = _Session()
+            if self._forgotten:
+                self._drop_tombstones(now)
+                if session_id in self._forgotten:
+                    if not self._revive(session_id, body, at):
+                        return out  # a late event of a forgotten session that changes nothing
+                    s = self._sessions[session_id]
+            if s is None:
+                s = self._sessions[session_id] = _Session()
+        self.builder.apply(session_id, body, at)
         if isinstance(body, KVBlocksStored | KVBlocksRemoved):
             s.kv_seen = True
             if isinstance(body, KVBlocksRemoved) and s.reported_call == s.completed_call:
@@ -273,11 +332,13 @@ class CacheManager:
             self._recharge(session_id, s)
         elif isinstance(body, ToolCallProposed):
             self._decide(event_id, "gap", session_id, s, now, out)
-        elif isinstance(body, SessionFinished | SessionFailed):
+        elif isinstance(body, _FINISHING):
             self._decide(event_id, "end", session_id, s, now, out)
             if s.hold is not Hold.DISCARDED:
                 s.host_reserved = 0
                 self._set_hold(session_id, s, Hold.DISCARDED)
+        if s.hold is Hold.DISCARDED and s.charged == 0 and s.host_charged == 0 and self.builder.forgettable(session_id):
+            self._forget(session_id)
         self.num_decisions += len(out)
         return out
 
@@ -285,10 +346,48 @@ class CacheManager:
         """Take ``decided`` as what happened instead of what this run decided under the same
         event id (a restarted worker re-deciding events in another order than before: the
         log's decision is the one the engine carried out)."""
-        s = self._sessions.get(decided.session_id)
+        sid = decided.session_id
+        s = self._sessions.get(sid)
         if s is None:
-            s = self._sessions[decided.session_id] = _Session()
+            if sid in self._forgotten:
+                if decided.decision.action in (CacheAction.RELEASE, CacheAction.DISCARD):
+                    return  # it holds nothing either way
+                del self._forgotten[sid]
+            s = self._sessions[sid] = _Session()
         self._record(decided, s, [])
+
+    # ---------------------------------------------------------------- forgetting
+
+    def _forget(self, sid: SessionId) -> None:
+        """Drop a finished session that holds nothing (module docstring); heap entries that
+        still name it are stale (its ``_Session`` is gone) and skipped when popped."""
+        del self._sessions[sid]
+        self.builder.forget(sid)
+        self._forgotten[sid] = self.now
+        self.num_forgotten += 1
+
+    def _revive(self, sid: SessionId, body: Model, at: float) -> bool:
+        """Whether an event of forgotten ``sid`` brings it back (then with a ``_Session``)."""
+        if isinstance(body, KVBlocksStored):
+            # Blocks of a finished session: counted on their tier until removed (module docstring).
+            del self._forgotten[sid]
+            self._sessions[sid] = _Session(hold=Hold.DISCARDED, kv_seen=True)
+            self.builder.finished(sid, at)
+            return True
+        if isinstance(body, _RUNNING_AGAIN):
+            del self._forgotten[sid]
+            self._sessions[sid] = _Session()
+            return True
+        return False
+
+    def _drop_tombstones(self, now: float) -> None:
+        horizon = now - self.config.forget_after_s
+        forgotten = self._forgotten
+        while forgotten:
+            sid = next(iter(forgotten))
+            if forgotten[sid] >= horizon:
+                break
+            del forgotten[sid]
 
     # ----------------------------------------------------------------- deciding
 
@@ -334,8 +433,8 @@ class CacheManager:
         delays = self.delays()
         while self.gpu_used + reserve > self.config.gpu_total_blocks and self._candidates:
             _, sid, version = heapq.heappop(self._candidates)
-            s = self._sessions[sid]
-            if s.version != version or s.hold is not Hold.PINNED:
+            s = self._sessions.get(sid)
+            if s is None or s.version != version or s.hold is not Hold.PINNED:
                 continue  # stale: the session's hold changed since it was pushed
             view = self.view(sid)
             host_free = max(0, self.config.host_total_blocks - self.host_used)
@@ -359,8 +458,8 @@ class CacheManager:
         """Decide again for every pinned session whose TTL ends at or before ``until``."""
         while self._expiries and self._expiries[0][0] <= until:
             _, sid, version = heapq.heappop(self._expiries)
-            s = self._sessions[sid]
-            if s.version != version or s.hold is not Hold.PINNED:
+            s = self._sessions.get(sid)
+            if s is None or s.version != version or s.hold is not Hold.PINNED:
                 continue
             self._set_hold(sid, s, Hold.NONE)  # the engine's pin ended
             # Decided as of ``until``, not ``end``: the new TTL ends after ``until``, so a jump of
@@ -408,5 +507,5 @@ class CacheManager:
                 heap[:] = live
 
     def _is_live(self, entry: tuple[float, SessionId, int]) -> bool:
-        s = self._sessions[entry[1]]
-        return s.version == entry[2] and s.hold is Hold.PINNED
+        s = self._sessions.get(entry[1])
+        return s is not None and s.version == entry[2] and s.hold is Hold.PINNED
