@@ -1206,10 +1206,49 @@ def write_csv(rows: list[Row], path: Path) -> None:
             writer.writerow([getattr(r, name) for name in Row.__slots__])
 
 
+def read_csv(path: Path) -> list[Row]:
+    """The rows ``write_csv`` wrote (columns it lacks, from older files, take their defaults)."""
+    rows: list[Row] = []
+    with path.open(newline="") as f:
+        for record in csv.DictReader(f):
+            values: dict[str, object] = {}
+            for name, text in record.items():
+                kind = Row.__annotations__[name]
+                values[name] = int(text) if kind == "int" else float(text) if kind == "float" else text
+            rows.append(Row(**values))  # type: ignore[arg-type]
+    return rows
+
+
+def goals_markdown(rows: list[Row]) -> list[str]:
+    """One line per cell: ours against the best non-oracle baseline, vLLM and the oracle's recompute."""
+    lines = [
+        "| workload | load | capacity | ours mean JCT (s) | best baseline | its mean JCT (s) | best baseline / ours "
+        "| vllm / ours | ours / oracle recomputed tokens | ours preemptions |",
+        "|---" * 10 + "|",
+    ]
+    for (workload, load, capacity), cell in _groups(rows).items():
+        if "ours" not in cell:
+            continue
+        ours = cell["ours"]
+        others = {p: r.mean_jct for p, r in cell.items() if p not in ("ours", "oracle")}
+        best = min(others, key=lambda p: (others[p], p)) if others else ""
+        vs_best = f"{others[best] / ours.mean_jct:.3f}x" if others else ""
+        vs_vllm = f"{cell['vllm'].mean_jct / ours.mean_jct:.3f}x" if "vllm" in cell else ""
+        oracle = cell.get("oracle")
+        recomputed = f"{ours.recomputed / oracle.recomputed:.3f}" if oracle and oracle.recomputed else ""
+        best_jct = f"{others[best]:.2f}" if others else ""
+        lines.append(
+            f"| {workload} | {load:g} | {capacity:.0%} | {ours.mean_jct:.2f} | {best} | {best_jct} | {vs_best} "
+            f"| {vs_vllm} | {recomputed} | {ours.preemptions} |"
+        )
+    return lines
+
+
 def write_markdown(rows: list[Row], path: Path) -> None:
-    """Per workload, mean JCT (s) and recomputed prompt tokens per policy as Markdown tables."""
+    """Ours against the best baseline per cell, then per workload, mean and p95 JCT (s), recomputed
+    prompt tokens and preemptions per policy as Markdown tables."""
     policies = list(dict.fromkeys(r.policy for r in rows))
-    lines: list[str] = []
+    lines: list[str] = ["#### Ours against the best non-oracle baseline, per cell", "", *goals_markdown(rows), ""]
     for workload in dict.fromkeys(r.workload for r in rows):
         mine = [r for r in rows if r.workload == workload]
         lines += [f"#### {workload} (mean JCT without queueing or reloads: {mine[0].floor_jct:.2f} s)", ""]
@@ -1217,6 +1256,7 @@ def write_markdown(rows: list[Row], path: Path) -> None:
             ("mean JCT (s)", lambda r: f"{r.mean_jct:.2f}"),
             ("p95 JCT (s)", lambda r: f"{r.p95_jct:.1f}"),
             ("prompt tokens recomputed", lambda r: str(r.recomputed)),
+            ("preemptions (batch engine)", lambda r: str(r.preemptions)),
         )
         for title, value in columns:
             lines += [f"{title}:", ""]
@@ -1272,6 +1312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--txt", type=Path, help="also write the tables to this file")
     parser.add_argument("--md", type=Path, help="write Markdown tables (mean/p95 JCT, recomputed tokens)")
     parser.add_argument("--workloads", help="comma-separated subset of the workloads (default: all)")
+    parser.add_argument("--from-csv", type=Path, help="print and write the tables of an earlier run's CSV, run nothing")
     parser.add_argument(
         "--engine",
         choices=ENGINES,
@@ -1287,7 +1328,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown policies {unknown}")
     started = time.perf_counter()
-    rows = sweep(args.quick, args.seed, policies, only=args.workloads, engine=args.engine)
+    if args.from_csv:
+        rows = [r for r in read_csv(args.from_csv) if r.policy in policies]
+    else:
+        rows = sweep(args.quick, args.seed, policies, only=args.workloads, engine=args.engine)
     print_tables(rows)
     if args.txt:
         with args.txt.open("w") as f:
