@@ -89,6 +89,7 @@ a new session's.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import uuid
@@ -122,9 +123,18 @@ _FINISHING = (SessionFinished, SessionFailed)
 _RUNNING_AGAIN = (LLMCallStarted, LLMCallCompleted, ToolCallProposed)  # a forgotten session lives again
 
 
+_NAMESPACE_BYTES = NAMESPACE.bytes
+
+
 def decision_event_id(trigger_id: str, kind: str, session_id: str) -> str:
-    """The event id of the decision ``kind`` for ``session_id`` caused by ``trigger_id``."""
-    return str(uuid.uuid5(NAMESPACE, f"{trigger_id}/{kind}/{session_id}"))
+    """The event id of the decision ``kind`` for ``session_id`` caused by ``trigger_id``.
+
+    ``str(uuid.uuid5(NAMESPACE, f"{trigger_id}/{kind}/{session_id}"))``, computed without
+    building a ``UUID`` (a third of the cost; one id per decision)."""
+    digest = hashlib.sha1(_NAMESPACE_BYTES + f"{trigger_id}/{kind}/{session_id}".encode()).digest()
+    # RFC 4122 version 5: the version in the high nibble of byte 6, the variant in byte 8.
+    h = (digest[:6] + bytes(((digest[6] & 0x0F) | 0x50, digest[7], (digest[8] & 0x3F) | 0x80)) + digest[9:16]).hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 @dataclass(frozen=True, slots=True)
