@@ -46,6 +46,11 @@ class Subscription(ABC):
     def assignment(self) -> set[tuple[str, int]]:
         """The (topic, partition) pairs this member owns now."""
 
+    def seek(self, topic: str, partition: int, offset: int) -> bool:
+        """Read an owned partition from ``offset`` on (call between polls); False if this
+        backend cannot, and the caller skips what comes before ``offset`` itself."""
+        return False
+
     @abstractmethod
     async def close(self) -> None:
         """Leave the group; owned partitions move to the other members."""

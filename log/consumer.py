@@ -8,21 +8,106 @@ When a partition is first read from an offset other than 0 (resuming from a
 committed offset, or taking a partition over from another member), the chain
 state of that partition is rebuilt by replaying it from offset 0 up to there:
 the records before the cut are checked again, not trusted.
+
+**Starting late** (``start_at``): a reader that knows what it needs of a
+partition (a role worker with a mark, docs/branches.md) says, when the
+partition is first read, where to start (``StartAt``) instead of offset 0:
+
+- the records before ``offset`` are not read (or, when the backend cannot
+  seek, read and dropped undecoded);
+- below ``known_to``, only the records of the ``sessions`` it names are
+  handed out; the others' are skipped undecoded;
+- a session with a ``ChainSeed`` has its records below the seed's offset
+  skipped (the caller holds them, e.g. in a snapshot) and its next record is
+  checked against the seed's tail;
+- no chain is rebuilt from offset 0 up front. A record whose chain has no tail
+  and whose seq is not 0 (its session began below the start) gets that one
+  chain rebuilt, from that session's records before it, then; so does a
+  seeded chain whose next record does not follow the seed (a wrong seed costs
+  a rebuild, never a false dead-letter). ``rebuilt`` names those chains.
+
+So every record handed out is verified against its whole chain as seen from
+offset 0 or from a seed; what a wrong start can cost is records never handed
+out, which is what the caller vouches for (like a committed offset).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from log import topics as topic_table
 from log.backend import Subscription
 from log.chain import ChainVerifier
 from log.errors import RecordError
-from log.types import ConsumerStats, LoggedEvent
+from log.types import ConsumerStats, LoggedEvent, Position
+from schemas.envelope import Envelope
+from schemas.events import KVAllBlocksCleared
 
 if TYPE_CHECKING:
     from log.shared_log import SharedLog
+
+
+@dataclass(frozen=True)
+class ChainSeed:
+    """One session's chain in a partition read from late: its records below ``offset`` are
+    the caller's already; the next one must follow ``seq`` and ``hash`` (``seq`` None: it
+    had no record below ``offset``, its next one is its first)."""
+
+    offset: int
+    seq: int | None = None
+    hash: bytes = b""
+
+
+@dataclass(frozen=True)
+class StartAt:
+    """Where to start reading one (topic, partition), and what to skip (module docstring)."""
+
+    offset: int
+    known_to: int = 0
+    sessions: frozenset[str] = frozenset()
+    seeds: Mapping[str, ChainSeed] = field(default_factory=dict)
+
+
+@dataclass
+class ReadCounts:
+    """What this consumer read, by what it did with each record."""
+
+    decoded: int = 0
+    """Decoded and checked (handed out or dead-lettered)."""
+    skipped: int = 0
+    """Read and skipped undecoded (below ``known_to``, or below a seed's offset)."""
+    dropped: int = 0
+    """Read before a start the backend could not seek to, dropped undecoded."""
+    rebuilt: int = 0
+    """Read again to rebuild chains (from offset 0 or for one session)."""
+
+
+StartHook = Callable[[str, int], Awaitable[StartAt | None]]
+
+
+@dataclass
+class _Started:
+    known_to: int
+    sessions: frozenset[bytes]
+    seeds: dict[bytes, ChainSeed]
+
+
+def seed_envelope(session_id: str, seq: int, hash_: bytes) -> Envelope:
+    """A stand-in for a chain's last record: only session_id, seq and hash matter to a verifier."""
+    return Envelope.model_construct(
+        event_id="",
+        session_id=session_id,
+        seq=seq,
+        actor="",
+        occurred_at=datetime.fromtimestamp(0, UTC),
+        causation_id=None,
+        prev_hash=b"",
+        body=KVAllBlocksCleared(engine_id=""),
+        hash=hash_,
+    )
 
 
 class EventConsumer:
@@ -40,6 +125,7 @@ class EventConsumer:
         *,
         from_beginning: bool,
         instance_id: str | None = None,
+        start_at: StartHook | None = None,
     ) -> None:
         for name in topics:
             topic_table.topic(name)  # fail early on a typo
@@ -53,11 +139,20 @@ class EventConsumer:
         self._verifier = ChainVerifier()
         self._next: dict[tuple[str, int], int] = {}  # next offset expected per partition
         self._uncommitted: dict[tuple[str, int], int] = {}
+        self._start_at = start_at
+        self._started: dict[tuple[str, int], _Started] = {}  # partitions read from a StartAt
+        self._pending_seeds: dict[tuple[str, int], dict[bytes, ChainSeed]] = {}
+        self.reads = ReadCounts()
+        self.rebuilt: set[tuple[str, str]] = set()
+        """(topic, session) chains rebuilt one by one in partitions read from a StartAt."""
 
     async def start(self) -> EventConsumer:
         self._subscription = await self.log.backend.subscribe(
             self.group, self.topics, from_beginning=self.from_beginning, instance_id=self.instance_id
         )
+        if self._start_at is not None:  # a backend that assigns at once (Postgres) reads nothing before a start
+            for tp in await self._begin_assigned(self._subscription.assignment()):
+                self._subscription.seek(*tp, self._next[tp])
         return self
 
     async def close(self) -> None:
@@ -87,25 +182,57 @@ class EventConsumer:
         assigned = self._subscription.assignment()
         for tp in [tp for tp in self._next if tp not in assigned]:
             del self._next[tp]  # moved to another member; if it comes back, it is read afresh
+            self._started.pop(tp, None)
+            self._pending_seeds.pop(tp, None)
         decode = self.log.codec.decode
         verify = self._verifier.verify
+        reads = self.reads
         delivered: list[LoggedEvent] = []
+        sought: set[tuple[str, int]] = set()
+        if self._start_at is not None:
+            # Ask about every partition new to us now, not at its first record: the backend then
+            # seeks the ones not read yet before it fetches them from 0.
+            sought.update(await self._begin_assigned(assigned))
         # Backends hand out runs of records of one partition: look its topic up once per run.
         tp = ("", -1)  # the (topic, partition) of the current run; none yet
         topic = topic_table.AGENT_DLQ  # the Topic of the current run (set with the first record)
+        started: _Started | None = None
         for record in records:
             position = record.position
             if position.partition != tp[1] or position.topic != tp[0]:
                 tp = (position.topic, position.partition)
                 topic = topic_table.topic(position.topic)
+                started = self._started.get(tp)
             offset = position.offset
-            if self._next.get(tp, 0) != offset:
-                await self._rebuild_chains(tp, offset)
+            expected = self._next.get(tp)
+            if expected is None:
+                expected = await self._begin(tp, topic)
+                if (started := self._started.get(tp)) is not None:
+                    sought.add(tp)
+            if offset != expected:
+                if started is None:
+                    await self._rebuild_chains(tp, offset)
+                elif offset < expected:
+                    reads.dropped += 1  # before our start: the backend could not seek there
+                    continue
+                # (after a start, a gap is the backend's: compacted or aborted records)
             # Kept per record, not per run: a concurrent commit() or position() sees each step.
             self._next[tp] = self._uncommitted[tp] = offset + 1
+            if started is not None:
+                key = record.key or b""
+                seed = started.seeds.get(key)
+                if (offset < started.known_to and key not in started.sessions) or (
+                    seed is not None and offset < seed.offset
+                ):
+                    reads.skipped += 1  # a session the caller needs nothing of here, or holds already
+                    continue
+            reads.decoded += 1
             try:
                 envelope = decode(record.value)
-                verify(topic, record.key, envelope, position)
+                if started is not None:
+                    await self._late_verify(tp, topic, record.key, envelope, position, started)
+                else:
+                    verify(topic, record.key, envelope, position)
             except RecordError as error:
                 await self.log.dead_letter(record, error, self.group)
                 self.stats.num_dead_lettered += 1
@@ -113,8 +240,92 @@ class EventConsumer:
                 self.stats.dead_lettered_by_error[name] = self.stats.dead_lettered_by_error.get(name, 0) + 1
                 continue
             delivered.append(LoggedEvent(position, envelope))
+        for tp in sought:
+            self._subscription.seek(tp[0], tp[1], self._next[tp])  # no-op if already there
         self.stats.num_delivered += len(delivered)
         return delivered
+
+    def seed(self, topic: str, partition: int, session_id: str, seed: ChainSeed) -> None:
+        """The caller read a session's records of a partition below ``seed.offset`` itself (and
+        verified them): skip them here, and check its next record against ``seed``'s tail.
+        Only for partitions read from a ``StartAt`` (or not read yet)."""
+        tp = (topic, partition)
+        key = session_id.encode()
+        started = self._started.get(tp)
+        if started is None:
+            if tp in self._next:
+                raise ValueError(f"{topic}[{partition}] is read from offset 0: nothing to seed")
+            self._pending_seeds.setdefault(tp, {})[key] = seed  # for when it begins
+            return
+        started.seeds[key] = seed
+        if seed.seq is not None:
+            self._verifier.forget(topic, lambda session: session == session_id)
+            self._verifier.accept(topic_table.topic(topic), seed_envelope(session_id, seed.seq, seed.hash))
+
+    async def _begin_assigned(self, assigned: set[tuple[str, int]]) -> set[tuple[str, int]]:
+        """``_begin`` every assigned partition not begun yet; returns those read from a start."""
+        sought = set()
+        for tp in sorted(tp for tp in assigned if tp not in self._next):
+            self._next[tp] = await self._begin(tp, topic_table.topic(tp[0]))
+            if tp in self._started:
+                sought.add(tp)
+        return sought
+
+    async def _begin(self, tp: tuple[str, int], topic: topic_table.Topic) -> int:
+        """A partition new to this member: where to read it from (0, or the caller's start)."""
+        start = await self._start_at(*tp) if self._start_at is not None else None
+        if start is None:
+            return 0
+        name, partition = tp
+        self._verifier.forget(name, lambda session: self.log.partition_for(session) == partition)
+        seeds = {s.encode(): seed for s, seed in start.seeds.items()}
+        seeds.update(self._pending_seeds.pop(tp, {}))  # given since: newer
+        for key, seed in seeds.items():
+            if seed.seq is not None:
+                self._verifier.accept(topic, seed_envelope(key.decode(), seed.seq, seed.hash))
+        self._started[tp] = _Started(start.known_to, frozenset(s.encode() for s in start.sessions), seeds)
+        self._next[tp] = self._uncommitted[tp] = start.offset
+        return start.offset
+
+    async def _late_verify(
+        self,
+        tp: tuple[str, int],
+        topic: topic_table.Topic,
+        key: bytes | None,
+        envelope: Envelope,
+        position: Position,
+        started: _Started,
+    ) -> None:
+        """``verify`` in a partition read from a start: a chain that began below the start, or a
+        seed the record does not follow, is rebuilt from the session's own records first."""
+        session_id = envelope.session_id
+        seeded = started.seeds.pop(session_id.encode(), None) is not None  # checked once, on its next record
+        if envelope.seq > 0 and self._verifier.tail(topic.name, session_id) is None:
+            await self._rebuild_chain(tp, session_id, position.offset)
+            seeded = False
+        try:
+            self._verifier.verify(topic, key, envelope, position)
+        except RecordError:
+            if not seeded:
+                raise
+            await self._rebuild_chain(tp, session_id, position.offset)  # the seed was wrong, not the record?
+            self._verifier.verify(topic, key, envelope, position)
+
+    async def _rebuild_chain(self, tp: tuple[str, int], session_id: str, offset: int) -> None:
+        """Re-derive one session's chain tail in one partition from its records before ``offset``."""
+        name, partition = tp
+        topic = topic_table.topic(name)
+        self._verifier.forget(name, lambda session: session == session_id)
+        for record in await self.log.backend.read_key(name, partition, session_id.encode()):
+            if record.position.offset >= offset:
+                break
+            self.reads.rebuilt += 1
+            try:
+                envelope = self.log.codec.decode(record.value)
+                self._verifier.verify(topic, record.key, envelope, record.position)
+            except RecordError:
+                continue  # it was dead-lettered when it was first read
+        self.rebuilt.add((name, session_id))
 
     async def commit(self, through: LoggedEvent | None = None) -> None:
         """Commit everything polled so far, or only up to and including ``through`` in its partition."""
@@ -142,6 +353,7 @@ class EventConsumer:
         topic = topic_table.topic(name)
         self._verifier.forget(name, lambda session: self.log.partition_for(session) == partition)
         async for record in self.log.backend.scan(name, partition, 0, offset):
+            self.reads.rebuilt += 1
             try:
                 envelope = self.log.codec.decode(record.value)
                 self._verifier.verify(topic, record.key, envelope, record.position)

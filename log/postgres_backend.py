@@ -394,6 +394,12 @@ class PostgresSubscription(Subscription):
     def assignment(self) -> set[tuple[str, int]]:
         return set(self._positions)
 
+    def seek(self, topic: str, partition: int, offset: int) -> bool:
+        if (topic, partition) not in self._positions:
+            return False
+        self._positions[(topic, partition)] = offset
+        return True
+
     async def close(self) -> None:
         if self._conn is None:
             return

@@ -18,6 +18,13 @@ part of the log written since the snapshot, not the session's whole history.
 The table lives in schema ``agentlog_snapshots`` of the given server, keyed by
 (namespace, session, checkpoint); writing one twice keeps the first
 (checkpoints are immutable, a retried checkpoint writes the same content).
+
+**Partition marks** (``partition_marks``, same schema): where a role worker's
+consumer group may start reading one partition again (``PartitionMark``,
+computed by ``workers/marks.py``), keyed by (namespace, group, partition); the
+newest one replaces the last. A mark is trusted like a committed offset: for
+nothing but "no record below these offsets is needed beyond the sessions it
+lists" (docs/branches.md, "Worker recovery from marks").
 """
 
 from __future__ import annotations
@@ -44,6 +51,10 @@ CREATE TABLE IF NOT EXISTS agentlog_snapshots.snapshots (
     id bigserial, namespace text NOT NULL, session_id text NOT NULL, checkpoint_id text NOT NULL,
     cut jsonb NOT NULL, tails jsonb NOT NULL, state jsonb NOT NULL, digest text NOT NULL, num_events int NOT NULL,
     taken_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (namespace, session_id, checkpoint_id));
+CREATE TABLE IF NOT EXISTS agentlog_snapshots.partition_marks (
+    namespace text NOT NULL, group_id text NOT NULL, partition int NOT NULL,
+    start jsonb NOT NULL, read_to jsonb NOT NULL, sessions jsonb NOT NULL,
+    saved_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (namespace, group_id, partition));
 """
 
 
@@ -64,6 +75,24 @@ class Snapshot:
     state: dict[str, Any]
     digest: str
     num_events: int
+
+
+@dataclass(frozen=True)
+class PartitionMark:
+    """Where a consumer group may start one partition again instead of at offset 0.
+
+    ``start``: per topic, the lowest offset still needed (the low-water mark);
+    ``read_to``: per topic, how far the group had read when the mark was made;
+    ``sessions``: the sessions that still needed work then, each with the
+    checkpoint whose snapshot holds its records below ``start`` (None: every
+    record of it is at or after ``start``). Records below ``read_to`` of
+    sessions not listed belong to sessions that needed nothing more.
+    """
+
+    partition: int
+    start: dict[str, int]
+    read_to: dict[str, int]
+    sessions: dict[str, str | None]
 
 
 class SnapshotStore:
@@ -134,6 +163,49 @@ class SnapshotStore:
             checkpoint_id,
         )
         return _snapshot(row) if row else None
+
+    async def checkpoint_ids(self, session_ids: Iterable[str]) -> dict[str, set[str]]:
+        """For each of the sessions, the checkpoints that have a snapshot (one query)."""
+        rows = await self.pool.fetch(
+            "SELECT session_id, checkpoint_id FROM agentlog_snapshots.snapshots "
+            "WHERE namespace = $1 AND session_id = ANY($2::text[])",
+            self.namespace,
+            list(session_ids),
+        )
+        found: dict[str, set[str]] = {}
+        for row in rows:
+            found.setdefault(row["session_id"], set()).add(row["checkpoint_id"])
+        return found
+
+    async def save_mark(self, group: str, mark: PartitionMark) -> None:
+        await self.pool.execute(
+            "INSERT INTO agentlog_snapshots.partition_marks (namespace, group_id, partition, start, read_to, sessions) "
+            "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (namespace, group_id, partition) DO UPDATE "
+            "SET start = EXCLUDED.start, read_to = EXCLUDED.read_to, sessions = EXCLUDED.sessions, saved_at = now()",
+            self.namespace,
+            group,
+            mark.partition,
+            json.dumps(mark.start),
+            json.dumps(mark.read_to),
+            json.dumps(mark.sessions),
+        )
+
+    async def load_mark(self, group: str, partition: int) -> PartitionMark | None:
+        row = await self.pool.fetchrow(
+            "SELECT start, read_to, sessions FROM agentlog_snapshots.partition_marks "
+            "WHERE namespace = $1 AND group_id = $2 AND partition = $3",
+            self.namespace,
+            group,
+            partition,
+        )
+        if row is None:
+            return None
+        return PartitionMark(
+            partition,
+            {k: int(v) for k, v in json.loads(row["start"]).items()},
+            {k: int(v) for k, v in json.loads(row["read_to"]).items()},
+            {k: (str(v) if v is not None else None) for k, v in json.loads(row["sessions"]).items()},
+        )
 
     async def count(self, session_id: str) -> int:
         n = await self.pool.fetchval(

@@ -6,10 +6,13 @@ vote. A call held by a voter (human approval) gets no verdict until an
 approval or a denial arrives. The verdict's event id is derived from the
 call, so a verdict is never appended twice, even across restarts.
 
-Run: ``python -m workers.decider [--log-url URL]``.
+Run: ``python -m workers.decider [--log-url URL] [--snapshot-url postgresql://...]`` (snapshots
+and partition marks: a restart reads its partitions from their marks, workers/runtime.py).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from log import LoggedEvent, SharedLog
 from schemas import events as ev
@@ -17,17 +20,31 @@ from schemas.events import VoteDecision
 from services.session import SessionState, ToolCall, ToolStatus
 from services.voters import Decider, Proposal, default_decider
 from workers.crash import crash_point
-from workers.runtime import SessionWorker
+from workers.runtime import SessionWorker, add_snapshot_arguments, open_snapshot_store
 
 
 class DeciderWorker(SessionWorker):
     role = "decider"
     topics = ("agent.actions", "ops.commands", "agent.verdicts")
+    acts_on = frozenset({ToolStatus.PROPOSED})
     reconcile_every_s = 5.0
 
     def __init__(self, log: SharedLog, *, decider: Decider | None = None, **kwargs: object) -> None:
         super().__init__(log, **kwargs)  # type: ignore[arg-type]
         self.decider = decider or default_decider()
+
+    @staticmethod
+    def add_arguments(parser: Any) -> None:
+        add_snapshot_arguments(parser)
+
+    @classmethod
+    async def create(cls, log: SharedLog, args: Any) -> DeciderWorker:
+        snapshots = await open_snapshot_store(log, args)
+        return cls(log, group=args.group, instance_id=args.instance_id, snapshots=snapshots)
+
+    async def close(self) -> None:
+        if self.snapshots is not None:
+            await self.snapshots.close()
 
     async def resume(self, state: SessionState) -> None:
         for tool in list(state.tool_calls.values()):

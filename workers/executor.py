@@ -17,7 +17,9 @@ Crash points (workers/crash.py): ``executor.before_started``,
 (the tool ran, its outcome is not logged yet), ``executor.after_completed``;
 each also as ``<point>.<tool>`` (e.g. ``executor.after_tool.payment``).
 
-Run: ``python -m workers.executor [--log-url URL] [--ledger-url URL] [--sandbox DIR] [--time-scale F]``.
+Run: ``python -m workers.executor [--log-url URL] [--ledger-url URL] [--sandbox DIR] [--time-scale F]
+[--snapshot-url postgresql://...]`` (snapshots and partition marks: a restart reads its partitions
+from their marks, workers/runtime.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from schemas.events import ApprovalDecision
 from services.session import SessionState, ToolCall, ToolStatus
 from services.tools import TOOLS
 from workers.crash import crash_point
-from workers.runtime import SessionWorker
+from workers.runtime import SessionWorker, add_snapshot_arguments, open_snapshot_store
 from workers.tools import IMPLEMENTATIONS, Ledger, ToolContext
 
 _log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class ExecutorWorker(SessionWorker):
     role = "executor"
     topics = ("agent.verdicts", "agent.actions", "agent.effects", "ops.commands")
     reports_duplicate_verdicts = True
+    acts_on = frozenset({ToolStatus.COMMITTED, ToolStatus.STARTED, ToolStatus.IN_DOUBT})
 
     def __init__(
         self,
@@ -68,6 +71,7 @@ class ExecutorWorker(SessionWorker):
         parser.add_argument("--ledger-url", default=os.environ.get("AGENTLOG_LEDGER_URL"), help="Postgres for payments")
         parser.add_argument("--sandbox", type=Path, default=None, help="directory file_write may write in")
         parser.add_argument("--time-scale", type=float, default=float(os.environ.get("AGENTLOG_TIME_SCALE", "1")))
+        add_snapshot_arguments(parser)
 
     @classmethod
     async def create(cls, log: SharedLog, args: argparse.Namespace) -> ExecutorWorker:
@@ -80,11 +84,14 @@ class ExecutorWorker(SessionWorker):
             ledger=ledger,
             sandbox=args.sandbox,
             time_scale=args.time_scale,
+            snapshots=await open_snapshot_store(log, args),
         )
 
     async def close(self) -> None:
         if self.ledger is not None:
             await self.ledger.close()
+        if self.snapshots is not None:
+            await self.snapshots.close()
 
     # ---------------------------------------------------------------- recovery
 

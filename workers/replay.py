@@ -30,10 +30,12 @@ the log, another digest or cut) the log is folded from the first event.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from log import LoggedEvent, SharedLog
-from log.snapshots import Snapshot, SnapshotStore, read_tail, tails_below
+from log.snapshots import ChainTailAt, Snapshot, SnapshotStore, read_tail, tails_below
+from log.topics import TOPIC_ORDER
 from schemas import events as ev
 from services.checkpoint import (
     SESSION_TOPICS,
@@ -133,11 +135,9 @@ async def replay_session(
     return Replayed(state, f"snapshot {snapshot.checkpoint_id}", len(tail))
 
 
-async def _trusted(log: SharedLog, snapshot: Snapshot) -> tuple[SessionState, list[LoggedEvent]] | None:
-    """The snapshot's state and the session's verified records after its cut, if the
-    ``CheckpointTaken`` among those records vouches for the state; else None: the
-    caller folds the log instead."""
-    tail = await read_tail(log, snapshot.session_id, snapshot.cut, snapshot.tails)
+def distrust(snapshot: Snapshot, tail: list[LoggedEvent]) -> str | None:
+    """Why the snapshot is not trusted, given the session's verified records after its cut
+    (chains seeded from the snapshot's tails); None when its ``CheckpointTaken`` vouches for it."""
     taken = next(
         (
             e.body
@@ -156,6 +156,17 @@ async def _trusted(log: SharedLog, snapshot: Snapshot) -> tuple[SessionState, li
         # The digest leaves the applied ids out; each folded event adds one, so at least the count must hold.
         reason = "its applied event ids do not number its events"
     else:
+        return None
+    return reason
+
+
+async def _trusted(log: SharedLog, snapshot: Snapshot) -> tuple[SessionState, list[LoggedEvent]] | None:
+    """The snapshot's state and the session's verified records after its cut, if the
+    ``CheckpointTaken`` among those records vouches for the state; else None: the
+    caller folds the log instead."""
+    tail = await read_tail(log, snapshot.session_id, snapshot.cut, snapshot.tails)
+    reason = distrust(snapshot, tail)
+    if reason is None:
         return state_from_json(snapshot.state), tail
     _log.warning(
         "snapshot %s of %s is not trusted (%s); folding the log instead",
@@ -164,3 +175,87 @@ async def _trusted(log: SharedLog, snapshot: Snapshot) -> tuple[SessionState, li
         reason,
     )
     return None
+
+
+# ------------------------------------------------- for role workers (marks)
+
+
+def history_order(events: list[LoggedEvent]) -> list[LoggedEvent]:
+    """``SharedLog.history``'s order, the one ``fold_events`` is proven on (``read_tail`` sorts so too)."""
+    return sorted(events, key=lambda e: (e.envelope.occurred_at, TOPIC_ORDER[e.topic], e.seq))
+
+
+def without_parent_history(state: SessionState) -> SessionState:
+    """A fork's fold of its own events only, from a snapshot that had its parent's history added.
+
+    A fork's snapshot holds ``inherit``'s steps (``take_checkpoint`` adds them); a role worker's
+    fold never does (the planner adds them itself, when it needs them: ``NeedBase``), so a
+    worker recovering from a snapshot takes them out again: they are the steps with an origin,
+    and the context the inheritance set.
+    """
+    if not state.inherited:
+        return state
+    state.llm_calls = {c: s for c, s in state.llm_calls.items() if s.origin is None}
+    state.tool_calls = {c: s for c, s in state.tool_calls.items() if s.origin is None}
+    state.planner_steps = {c: s for c, s in state.planner_steps.items() if s.origin is None}
+    state.context_id = state.session_id
+    state.inherited = False
+    return state
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A session loaded by a worker that met it late (``load_session``)."""
+
+    state: SessionState
+    low: dict[str, int]
+    """Per topic, the lowest offset a later mark needs for it (the snapshot's cut, or its first record)."""
+    read_to: dict[str, int]
+    """Per topic, the offset after the last record of it read (the cut when none after it); 0: none."""
+    tails: dict[str, ChainTailAt]
+    """Per topic, its last record read (to seed the consumer's chains)."""
+    num_records: int
+    source: str
+
+
+async def load_session(
+    log: SharedLog,
+    snapshots: SnapshotStore | None,
+    session_id: str,
+    topics: Sequence[str],
+    before: tuple[str, int] | None = None,
+) -> Loaded:
+    """The session folded from its records in ``topics`` now, except, with ``before`` (topic,
+    offset), that topic's records from that offset on: what a reader of those topics holds just
+    before it folds the record at ``before`` (no parent history: ``without_parent_history``).
+
+    From its newest trusted snapshot when its cut is below ``before``, else from its first event.
+    """
+
+    def wanted(e: LoggedEvent) -> bool:
+        return e.topic in topics and (before is None or e.topic != before[0] or e.position.offset < before[1])
+
+    snapshot = await snapshots.latest(session_id) if snapshots is not None else None
+    if snapshot is not None and (before is None or snapshot.cut.get(before[0], 0) <= before[1]):
+        trusted = await _trusted(log, snapshot)
+        if trusted is not None:
+            start, tail = trusted
+            tail = [e for e in tail if wanted(e)]
+            state = fold_events(session_id, cut_events(tail), without_parent_history(start))
+            tails = {t: c for t, c in snapshot.tails.items() if t in topics}
+            read_to = {t: snapshot.cut.get(t, 0) for t in topics}
+            for event in tail:
+                tails[event.topic] = ChainTailAt(event.seq, event.envelope.hash.hex())
+                read_to[event.topic] = event.position.offset + 1
+            low = {t: snapshot.cut.get(t, 0) for t in topics}
+            return Loaded(state, low, read_to, tails, len(tail), f"snapshot {snapshot.checkpoint_id}")
+    history = [e for e in await log.history(session_id, topics) if wanted(e)]
+    state = fold_events(session_id, cut_events(history))
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    tails = {}
+    for event in history:
+        first.setdefault(event.topic, event.position.offset)
+        last[event.topic] = event.position.offset + 1
+        tails[event.topic] = ChainTailAt(event.seq, event.envelope.hash.hex())
+    return Loaded(state, first, last, tails, len(history), "log")

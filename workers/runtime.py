@@ -10,6 +10,28 @@ That is the whole recovery story: a restarted or replacement worker rebuilds
 its state from the log and continues; every append it makes uses a
 deterministic event id, so redoing an append is a no-op.
 
+**Marks** (with a snapshot store; docs/branches.md, "Worker recovery"). A
+caught-up worker saves, per partition, a mark (``workers/marks.py``): every
+``mark_every`` events it folds there, when the partition catches up, and on a
+clean shutdown. A member that is assigned a partition with a mark (after a
+restart, or taking it over) reads each topic from the mark's start instead
+of 0 (``log.consumer.StartAt``), and:
+
+- a session the mark lists with a checkpoint starts from that checkpoint's
+  snapshot: the consumer skips its records below the cut and checks the next
+  ones against the snapshot's chain tails; the records after the cut are
+  folded onto the snapshot, in history order, at catch-up, and only if the
+  ``CheckpointTaken`` among them vouches for the snapshot (``distrust``, the
+  rule ``replay_session`` uses) and no chain of it had to be rebuilt;
+  otherwise it is loaded from the log;
+- a session met through a record that is not its beginning (its chain began
+  below the start: seq > 0; or, once caught up, any record of a session not
+  held that is not its start) is loaded from the log (``load_below``: the
+  newest trusted snapshot plus the records after it, or every record) up to
+  the consumer's position, then the record is folded as usual;
+- at catch-up, a listed session not met, or a session begun from scratch
+  without its opening record, is loaded from the log too.
+
 Subclasses implement ``resume(state)`` and ``on_event(state, event)``; both
 run in the worker's task and may append. ``run()`` returns after
 ``shutdown()`` once in-flight work is drained.
@@ -19,16 +41,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import uuid
 from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from log import DuplicateVerdict, LoggedEvent, RecordError, SharedLog, UnknownSession
+from log.consumer import ChainSeed, EventConsumer, StartAt
+from log.snapshots import PartitionMark, Snapshot, SnapshotStore
 from schemas.envelope import Envelope
-from schemas.events import Event, SessionRequested
-from services.session import SessionState
+from schemas.events import Event, SessionRequested, SessionStarted
+from services.checkpoint import fold_events, state_from_json
+from services.session import SessionState, ToolStatus
+from workers.marks import IN_FLIGHT, SessionLow, make_mark, needs_work
+from workers.replay import cut_events, distrust, history_order, load_session, without_parent_history
 
 _log = logging.getLogger(__name__)
 
@@ -40,6 +69,77 @@ def event_id(session_id: str, kind: str, key: str = "") -> str:
     return str(uuid.uuid5(EVENT_ID_NAMESPACE, f"{session_id}/{kind}/{key}"))
 
 
+def log_namespace(log: SharedLog) -> str:
+    return str(getattr(log.backend, "namespace", "") or "")
+
+
+def snapshot_url(explicit: str | None, log_url: str | None) -> str | None:
+    """Where snapshots (and marks) go: an explicit URL, else the ledger's or the test Postgres,
+    else a Postgres log itself."""
+    for candidate in (
+        explicit,
+        os.environ.get("AGENTLOG_SNAPSHOT_URL"),
+        os.environ.get("AGENTLOG_LEDGER_URL"),
+        os.environ.get("AGENTLOG_PG_URL"),
+    ):
+        if candidate:
+            return candidate
+    url = log_url or os.environ.get("AGENTLOG_LOG_URL") or ""
+    return url if url.startswith(("postgresql://", "postgres://")) else None
+
+
+def add_snapshot_arguments(parser: Any) -> None:
+    """``--snapshot-url`` for roles that only read snapshots (the planner has its own, same meaning)."""
+    parser.add_argument(
+        "--snapshot-url",
+        default=None,
+        help="Postgres of snapshots and partition marks (default: AGENTLOG_SNAPSHOT_URL, AGENTLOG_LEDGER_URL, "
+        "AGENTLOG_PG_URL, or the log itself when it is Postgres; none: replay partitions from offset 0)",
+    )
+
+
+async def open_snapshot_store(log: SharedLog, args: Any) -> SnapshotStore | None:
+    url = snapshot_url(getattr(args, "snapshot_url", None), getattr(args, "log_url", None))
+    return await SnapshotStore(url, log_namespace(log)).start() if url else None
+
+
+def _opens(event: LoggedEvent) -> bool:
+    """A session's first record: its request, or the start of a fork (which has no request)."""
+    body = event.body
+    return event.seq == 0 and (
+        isinstance(body, SessionRequested) or (isinstance(body, SessionStarted) and body.parent_session_id is not None)
+    )
+
+
+@dataclass
+class RecoveryCounts:
+    """What recovering from marks did (for tests and benchmarks)."""
+
+    marks_used: int = 0
+    marks_saved: int = 0
+    from_snapshot: int = 0
+    """Sessions started from the snapshot their mark named (the log vouched for it)."""
+    distrusted: int = 0
+    """Sessions whose snapshot the log did not vouch for: loaded from the log instead."""
+    loaded: int = 0
+    """Sessions loaded with ``load_below`` (met late, distrusted, or not met)."""
+    loaded_records: int = 0
+    """Records those loads read."""
+
+
+@dataclass
+class _Recovery:
+    """One partition being read from a mark, until it catches up."""
+
+    mark: PartitionMark
+    snapshots: dict[str, Snapshot]
+    buffered: dict[str, list[LoggedEvent]] = field(default_factory=dict)
+    """The records after the cut of each session starting from a snapshot, folded at catch-up."""
+    fresh: set[str] = field(default_factory=set)
+    """Sessions begun from scratch during this catch-up."""
+    opened: set[str] = field(default_factory=set)
+
+
 class SessionWorker:
     """Base class of the role workers (planner, decider, executor)."""
 
@@ -49,6 +149,8 @@ class SessionWorker:
     """Dead-letter a second verdict for a call (the role that acts on verdicts does it, once)."""
     reports_unknown_sessions = False
     """Dead-letter events of sessions nobody requested (the role that starts sessions does it)."""
+    acts_on: frozenset[ToolStatus] = IN_FLIGHT
+    """The tool call states this role acts on, even in a finished session (what a mark keeps)."""
     reconcile_every_s: float | None = None
     """Look at every session again this often (``reconcile``): a level-triggered safety net for
     roles whose work is idempotent, so that a lost wake-up delays a session instead of stalling it."""
@@ -60,6 +162,8 @@ class SessionWorker:
         group: str | None = None,
         instance_id: str | None = None,
         poll_timeout_s: float = 0.5,
+        snapshots: SnapshotStore | None = None,
+        mark_every: int | None = None,
     ) -> None:
         self.log = log
         self.group = group or self.role
@@ -73,6 +177,28 @@ class SessionWorker:
         self._stopping = asyncio.Event()
         self._orphans: dict[str, list[LoggedEvent]] = {}  # events of sessions not (yet) requested
         self.num_events = 0
+        self.snapshots = snapshots
+        """Snapshots and partition marks; None: every partition is replayed from offset 0."""
+        self.mark_every = mark_every if mark_every is not None else int(os.environ.get("AGENTLOG_MARK_EVERY", "500"))
+        self.recovery = RecoveryCounts()
+        self.consumer: EventConsumer | None = None
+        self._low: dict[str, dict[str, int]] = {}  # session -> topic -> lowest offset its fold holds
+        self._marks: dict[int, _Recovery | None] = {}  # mark looked up per partition (None: none)
+        self._recovering: dict[int, _Recovery] = {}  # partitions read from a mark, not caught up yet
+        self._marked: set[int] = set()  # partitions read from a mark: sessions below it may be met late
+        self._since_mark: dict[int, int] = {}  # events folded per partition since its last mark
+        self._caught_up = asyncio.Event()  # set after each promotion
+
+    @property
+    def caught_up(self) -> bool:
+        """Every partition this member owns has been replayed (and is acted on)."""
+        return bool(self._owned) and self._owned <= self._ready
+
+    async def wait_caught_up(self) -> None:
+        """Until ``caught_up`` (for tests and benchmarks)."""
+        while not self.caught_up:
+            self._caught_up.clear()
+            await self._caught_up.wait()
 
     # ------------------------------------------------------------- for roles
 
@@ -153,8 +279,13 @@ class SessionWorker:
             loop.add_signal_handler(sig, self.shutdown)
 
     async def run(self) -> None:
-        consumer = await self.log.consumer(
-            self.group, list(self.topics), from_beginning=True, instance_id=self.instance_id
+        consumer = self.consumer = await EventConsumer(
+            self.log,
+            self.group,
+            list(self.topics),
+            from_beginning=True,
+            instance_id=self.instance_id,
+            start_at=self._start_at if self.snapshots is not None else None,
         ).start()
         loop = asyncio.get_running_loop()
         next_reconcile = loop.time() + (self.reconcile_every_s or 0)
@@ -165,6 +296,7 @@ class SessionWorker:
                 for event in events:
                     await self._handle(event)
                 await self._promote_caught_up(consumer)
+                await self._save_marks(due_only=True)
                 await consumer.commit()
                 if self.reconcile_every_s is not None and loop.time() >= next_reconcile:
                     next_reconcile = loop.time() + self.reconcile_every_s
@@ -176,6 +308,7 @@ class SessionWorker:
                             await self.reconcile(state)
             if self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await self._save_marks(due_only=False)  # a clean stop: the next start reads the least
         finally:
             await consumer.close()
 
@@ -186,16 +319,39 @@ class SessionWorker:
                 self._boundary[(topic, partition)] = (await self.log.end_offsets(topic)).get(partition, 0)
         for partition in sorted(self._owned - owned):
             self._ready.discard(partition)
+            self._marks.pop(partition, None)
+            self._recovering.pop(partition, None)
+            self._marked.discard(partition)
+            self._since_mark.pop(partition, None)
             for key in [k for k in self._boundary if k[1] == partition]:
                 del self._boundary[key]
             for session_id in [s for s in self.sessions if self.log.partition_for(s) == partition]:
                 del self.sessions[session_id]
+                self._low.pop(session_id, None)
             await self.on_partition_lost(partition)
             _log.info("%s: partition %d moved away", self.role, partition)
         self._owned = owned
 
     async def _handle(self, event: LoggedEvent) -> None:
         self.num_events += 1
+        partition = event.position.partition
+        session_id = event.session_id
+        self._since_mark[partition] = self._since_mark.get(partition, 0) + 1
+        if partition in self._marked:
+            recovery = self._recovering.get(partition)
+            if recovery is not None and session_id in recovery.buffered:
+                recovery.buffered[session_id].append(event)  # folded onto its snapshot at catch-up
+                return
+            if session_id not in self.sessions:
+                if event.seq > 0 or (
+                    recovery is None and not isinstance(event.body, SessionStarted | SessionRequested)
+                ):
+                    await self._load(session_id, partition, event)  # it began below where we started
+                elif recovery is not None:
+                    recovery.fresh.add(session_id)
+            if recovery is not None and _opens(event):
+                recovery.opened.add(session_id)
+        self._low.setdefault(session_id, {}).setdefault(event.topic, event.position.offset)
         state = self.state(event.session_id)
         num_anomalies = len(state.anomalies)
         if not state.apply(event.envelope):
@@ -234,7 +390,10 @@ class SessionWorker:
     async def _promote_caught_up(self, consumer: Any) -> None:
         for partition in sorted(self._owned - self._ready):
             if all(consumer.position(t, partition) >= self._boundary.get((t, partition), 0) for t in self.topics):
+                if (recovery := self._recovering.pop(partition, None)) is not None:
+                    await self._finish_recovery(partition, recovery)
                 self._ready.add(partition)
+                self._since_mark[partition] = self.mark_every  # mark it now: a restart reads from here
                 sessions = [s for s in self.sessions.values() if self.log.partition_for(s.session_id) == partition]
                 _log.info("%s: partition %d caught up (%d sessions)", self.role, partition, len(sessions))
                 for state in sessions:
@@ -242,3 +401,123 @@ class SessionWorker:
                         await self._report_orphans(state)
                     if state.status is not None:
                         await self.resume(state)
+                self._caught_up.set()
+
+    # ------------------------------------------------------------------- marks
+
+    async def _start_at(self, topic: str, partition: int) -> StartAt | None:
+        """The consumer's question for a partition new to us: where to start reading ``topic``."""
+        assert self.snapshots is not None
+        if partition not in self._marks:
+            self._marks[partition] = None
+            try:
+                mark = await self.snapshots.load_mark(self.group, partition)
+                if mark is not None:
+                    found = {}
+                    for session_id, checkpoint_id in mark.sessions.items():
+                        if checkpoint_id is not None:
+                            snapshot = await self.snapshots.get(session_id, checkpoint_id)
+                            if snapshot is not None:
+                                found[session_id] = snapshot
+                    recovery = _Recovery(mark, found, {s: [] for s in found})
+                    self._marks[partition] = self._recovering[partition] = recovery
+                    self._marked.add(partition)
+                    self.recovery.marks_used += 1
+                    _log.info(
+                        "%s: partition %d starts at its mark %s (%d sessions, %d from snapshots)",
+                        self.role,
+                        partition,
+                        mark.start,
+                        len(mark.sessions),
+                        len(found),
+                    )
+            except Exception:
+                _log.exception("%s: no mark for partition %d (reading it from offset 0)", self.role, partition)
+                return None
+        known = self._marks[partition]
+        if known is None:
+            return None
+        mark = known.mark
+        seeds = {}
+        for session_id, snapshot in known.snapshots.items():
+            tail = snapshot.tails.get(topic)
+            seeds[session_id] = ChainSeed(
+                snapshot.cut.get(topic, 0),
+                tail.seq if tail is not None else None,
+                bytes.fromhex(tail.hash_hex) if tail is not None else b"",
+            )
+        # A session listed with a checkpoint whose snapshot is gone is not listed here: its records are
+        # skipped, and it is loaded from the log at catch-up.
+        listed = frozenset(s for s, c in mark.sessions.items() if c is None or s in known.snapshots)
+        return StartAt(mark.start.get(topic, 0), mark.read_to.get(topic, 0), listed, seeds)
+
+    async def _load(self, session_id: str, partition: int, event: LoggedEvent | None) -> None:
+        """Fold a session we meet late from the log: every record of it in our topics so far but
+        ``event`` and what follows it in its topic (folded as they come); the consumer skips the
+        records the load read and checks the next ones against their chains' tails."""
+        assert self.consumer is not None
+        before = (event.topic, event.position.offset) if event is not None else None
+        loaded = await load_session(self.log, self.snapshots, session_id, self.topics, before)
+        self.sessions[session_id] = loaded.state
+        self._low[session_id] = dict(loaded.low)
+        for topic, tail in loaded.tails.items():
+            if before is None or topic != before[0]:  # that chain was checked up to the event already
+                seed = ChainSeed(loaded.read_to[topic], tail.seq, bytes.fromhex(tail.hash_hex))
+                self.consumer.seed(topic, partition, session_id, seed)
+        self.recovery.loaded += 1
+        self.recovery.loaded_records += loaded.num_records
+        _log.info("%s: loaded %s from the %s (%d records)", self.role, session_id, loaded.source, loaded.num_records)
+
+    async def _finish_recovery(self, partition: int, recovery: _Recovery) -> None:
+        """Catch-up of a partition read from a mark: fold the snapshot sessions, load the rest."""
+        assert self.consumer is not None
+        rebuilt = self.consumer.rebuilt
+        for session_id, snapshot in recovery.snapshots.items():
+            events = recovery.buffered.pop(session_id)
+            reason = (
+                "a chain of it did not follow the snapshot's tails"
+                if any((t, session_id) in rebuilt for t in self.topics)
+                else distrust(snapshot, events)
+            )
+            if reason is None:
+                start = without_parent_history(state_from_json(snapshot.state))
+                self.sessions[session_id] = fold_events(session_id, cut_events(history_order(events)), start)
+                self._low[session_id] = {t: snapshot.cut.get(t, 0) for t in self.topics}
+                self.recovery.from_snapshot += 1
+                continue
+            _log.warning("%s: snapshot %s of %s not used (%s)", self.role, snapshot.checkpoint_id, session_id, reason)
+            self.recovery.distrusted += 1
+            await self._load(session_id, partition, None)
+        for session_id in recovery.mark.sessions:
+            if session_id not in self.sessions:
+                await self._load(session_id, partition, None)  # listed, never met: its records lie below
+        for session_id in sorted(recovery.fresh - recovery.opened):
+            # Begun "from scratch" without its request: records of it lie below the start after all.
+            self.sessions.pop(session_id, None)
+            await self._load(session_id, partition, None)
+
+    async def _save_marks(self, *, due_only: bool) -> None:
+        if self.snapshots is None or self.consumer is None:
+            return
+        for partition in sorted(self._ready):
+            if due_only and self._since_mark.get(partition, 0) < self.mark_every:
+                continue
+            try:
+                await self._save_mark(partition)
+            except Exception:
+                _log.exception("%s: could not save the mark of partition %d", self.role, partition)
+
+    async def _save_mark(self, partition: int) -> None:
+        assert self.snapshots is not None and self.consumer is not None
+        self._since_mark[partition] = 0
+        read_to = {t: self.consumer.position(t, partition) for t in self.topics}
+        in_partition = [s for s in self.sessions.values() if self.log.partition_for(s.session_id) == partition]
+        needed = [s for s in in_partition if needs_work(s, self.acts_on)]
+        with_snapshots = await self.snapshots.checkpoint_ids(s.session_id for s in needed) if needed else {}
+        lows = []
+        for state in needed:
+            have = with_snapshots.get(state.session_id, set())
+            cuts = [(c, dict(k.taken.cut)) for c, k in state.checkpoints.items() if c in have]
+            lows.append(SessionLow(state.session_id, dict(self._low.get(state.session_id, {})), cuts))
+        await self.snapshots.save_mark(self.group, make_mark(partition, read_to, lows))
+        self.recovery.marks_saved += 1
