@@ -74,7 +74,9 @@ from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable
 from workers.engines.factory import ENGINE_KINDS, create_engine
 from workers.replay import cut_events, session_at, take_checkpoint
-from workers.runtime import SessionWorker
+from workers.runtime import SessionWorker, log_namespace, snapshot_url
+
+__all__ = ["PlannerWorker", "log_namespace", "snapshot_url"]  # the last two moved to workers.runtime
 
 _log = logging.getLogger(__name__)
 
@@ -130,8 +132,9 @@ class PlannerWorker(SessionWorker):
         parser.add_argument(
             "--snapshot-url",
             default=None,
-            help="Postgres for snapshots of checkpoints (default: AGENTLOG_SNAPSHOT_URL, AGENTLOG_LEDGER_URL, "
-            "AGENTLOG_PG_URL, or the log itself when it is Postgres; none: checkpoints without snapshots)",
+            help="Postgres for snapshots of checkpoints and partition marks (default: AGENTLOG_SNAPSHOT_URL, "
+            "AGENTLOG_LEDGER_URL, AGENTLOG_PG_URL, or the log itself when it is Postgres; none: checkpoints "
+            "without snapshots, partitions replayed from offset 0)",
         )
 
     @classmethod
@@ -449,24 +452,6 @@ _BRANCH_NEWS = (ev.SessionFinished, ev.SessionFailed, ev.ToolCallInDoubt, ev.Too
 def _end_key(state: SessionState) -> str:
     """A session ends once per generation: a restored session's new end is a new event."""
     return f"r{state.generation}" if state.generation else ""
-
-
-def log_namespace(log: SharedLog) -> str:
-    return str(getattr(log.backend, "namespace", "") or "")
-
-
-def snapshot_url(explicit: str | None, log_url: str | None) -> str | None:
-    """Where snapshots go: an explicit URL, else the ledger's or the test Postgres, else a Postgres log itself."""
-    for candidate in (
-        explicit,
-        os.environ.get("AGENTLOG_SNAPSHOT_URL"),
-        os.environ.get("AGENTLOG_LEDGER_URL"),
-        os.environ.get("AGENTLOG_PG_URL"),
-    ):
-        if candidate:
-            return candidate
-    url = log_url or os.environ.get("AGENTLOG_LOG_URL") or ""
-    return url if url.startswith(("postgresql://", "postgres://")) else None
 
 
 if __name__ == "__main__":
