@@ -33,6 +33,17 @@ Rows (the same events, in one run)
   next poll), as ``python -m workers.cache_manager`` runs, minus the replay rules (the
   backlog counts as new events).
 
+Every Kafka worker row reads its own copy of the backlog (a fresh namespace each), so
+each appends its decisions to an empty ``kv.decisions`` (a second row on the same
+namespace would find the first row's decisions there and append nothing). The process
+runs with the worker process's collector thresholds (``workers.cache_manager.tune_gc``),
+and the benchmark's own data (events, encoded records) is frozen out of the collector
+before every row, so that rows pay for the state they build, not for the benchmark's.
+``cpu ev/s`` divides the events by the CPU time the whole process used during the row
+(every thread: kafka-python's fetch and producer threads included): unlike ``events/s``
+it does not drop when other work on the machine takes the CPU, and on a core of one's
+own the two would be equal for a row that never waits.
+
 Latency, per event that causes decisions: ``decide`` is fold+decide of that event
 (what the issue calls "from receiving the event to the decision ready to append",
 when the event is taken alone; ``cpu p99``: the same in the thread's CPU time, which
@@ -67,7 +78,7 @@ from schemas import events as ev
 from schemas.events import KVTier, SessionId
 from services.cache.manager import CacheManager, ManagerConfig
 from services.cache.policy import CachePolicy
-from workers.cache_manager import CacheManagerWorker, WorkerStats
+from workers.cache_manager import GC_THRESHOLDS, CacheManagerWorker, WorkerStats, tune_gc
 
 T0 = datetime(2026, 6, 1, tzinfo=UTC)
 BLOCK = 16
@@ -192,6 +203,7 @@ class Row:
     num_events: int
     seconds: float
     num_decisions: int
+    cpu_seconds: float | None = None  # the whole process's CPU time during the row
     decide_s: list[float] = field(default_factory=list)
     cpu_s: list[float] = field(default_factory=list)  # the same, in this thread's CPU time (no preemption)
     ready_s: list[float] = field(default_factory=list)
@@ -200,6 +212,16 @@ class Row:
     @property
     def rate(self) -> float:
         return self.num_events / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cpu_rate(self) -> float | None:
+        return self.num_events / self.cpu_seconds if self.cpu_seconds else None
+
+
+def frozen() -> None:
+    """Move everything alive now (the benchmark's inputs) out of the collector's way."""
+    gc.collect()
+    gc.freeze()
 
 
 def pct(values: Sequence[float], q: float) -> float | None:
@@ -217,8 +239,8 @@ def run_fold(events: list[Ev], config: ManagerConfig) -> Row:
     latencies: list[float] = []
     cpu_latencies: list[float] = []
     decisions = 0
-    gc.collect()
-    began = clock()
+    frozen()
+    began, began_cpu = clock(), time.process_time()
     for e in events:
         t, c = clock(), cpu()
         out = apply(e.event_id, e.session_id, e.body, e.at)
@@ -226,7 +248,8 @@ def run_fold(events: list[Ev], config: ManagerConfig) -> Row:
             cpu_latencies.append(cpu() - c)
             latencies.append(clock() - t)
             decisions += len(out)
-    return Row("fold+decide (memory)", len(events), clock() - began, decisions, latencies, cpu_latencies)
+    seconds, cpu_seconds = clock() - began, time.process_time() - began_cpu
+    return Row("fold+decide (memory)", len(events), seconds, decisions, cpu_seconds, latencies, cpu_latencies)
 
 
 def encode_all(events: list[Ev]) -> list[tuple[topic_table.Topic, bytes, bytes]]:
@@ -255,8 +278,8 @@ def run_decode_fold(records: list[tuple[topic_table.Topic, bytes, bytes]], confi
     cpu_latencies: list[float] = []
     decisions = 0
     epoch = T0.timestamp()
-    gc.collect()
-    began = clock()
+    frozen()
+    began, began_cpu = clock(), time.process_time()
     for i, (topic, key, value) in enumerate(records):
         t, c = clock(), cpu()
         envelope = codec.decode(value)
@@ -268,7 +291,8 @@ def run_decode_fold(records: list[tuple[topic_table.Topic, bytes, bytes]], confi
             latencies.append(clock() - t)
             decisions += len(out)
     name = "decode+verify+fold+decide (memory)"
-    return Row(name, len(records), clock() - began, decisions, latencies, cpu_latencies)
+    seconds, cpu_seconds = clock() - began, time.process_time() - began_cpu
+    return Row(name, len(records), seconds, decisions, cpu_seconds, latencies, cpu_latencies)
 
 
 async def fill_kafka(bootstrap: str, namespace: str, events: list[Ev], partitions: int) -> float:
@@ -299,16 +323,19 @@ async def fill_kafka(bootstrap: str, namespace: str, events: list[Ev], partition
 async def run_consume(bootstrap: str, namespace: str, num_events: int, max_records: int) -> Row:
     async with SharedLog(KafkaBackend(bootstrap, namespace=namespace), actor="auditor") as log:
         consumer = await log.consumer("auditor-scale", list(WRITER_OF), from_beginning=True).start()
+        frozen()
         try:
             got = 0
             began: float | None = None
+            began_cpu = 0.0
             while got < num_events:
                 batch = await consumer.poll(timeout_s=1.0, max_records=max_records)
                 if batch and began is None:
-                    began = time.perf_counter()
+                    began, began_cpu = time.perf_counter(), time.process_time()
                 got += len(batch)
             assert began is not None
-            return Row("Kafka consume only (EventConsumer)", got, time.perf_counter() - began, 0)
+            seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - began_cpu
+            return Row("Kafka consume only (EventConsumer)", got, seconds, 0, cpu_seconds)
         finally:
             await consumer.close()
 
@@ -319,13 +346,15 @@ class _TimedWorker(CacheManagerWorker):
     target = 0
     first: float | None = None
     last: float | None = None
+    first_cpu = 0.0
+    last_cpu = 0.0
 
     def process(self, events: Sequence[LoggedEvent], received: float) -> tuple[list[Draft], list[float]]:
         if events and self.first is None:
-            self.first = received
+            self.first, self.first_cpu = received, time.process_time()
         result = super().process(events, received)
         if self.stats.num_events >= self.target and self.last is None:
-            self.last = time.perf_counter()
+            self.last, self.last_cpu = time.perf_counter(), time.process_time()
             self.shutdown()
         return result
 
@@ -335,13 +364,14 @@ async def run_worker(bootstrap: str, namespace: str, config: ManagerConfig, num_
     async with SharedLog(KafkaBackend(bootstrap, namespace=namespace), actor="cache-manager") as log:
         worker = _TimedWorker(log, config=config, max_records=max_records, stats=stats, recover=False)
         worker.target = num_events
+        frozen()
         await worker.run()
         assert worker.first is not None and worker.last is not None
         # the last poll's append is part of the work
         end = max(worker.last, worker.first)
         return Row(f"Kafka worker (poll {max_records}, append)", stats.num_events, end - worker.first,
-                   stats.num_decisions, stats.decide_s, stats.decide_cpu_s, stats.ready_s,
-                   stats.appended_s)  # fmt: skip
+                   stats.num_decisions, worker.last_cpu - worker.first_cpu, stats.decide_s, stats.decide_cpu_s,
+                   stats.ready_s, stats.appended_s)  # fmt: skip
 
 
 def delete_namespace(bootstrap: str, namespace: str) -> None:
@@ -367,13 +397,15 @@ def ms(value: float | None) -> str:
 
 def table(rows: list[Row], base: Row) -> str:
     header = (
-        f"{'':<40} {'events/s':>10} {'x mem':>6} {'decisions':>9} {'decide p50':>10} {'p99':>7} {'cpu p99':>7}"
+        f"{'':<40} {'events/s':>10} {'cpu ev/s':>9} {'x mem':>6} {'decisions':>9} {'decide p50':>10} {'p99':>7}"
+        f" {'cpu p99':>7}"
         f" {'from poll p50':>13} {'p99':>7} {'appended p50':>12} {'p99':>7}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.name:<40} {r.rate:>10,.0f} {r.rate / base.rate:>6.2f} {r.num_decisions:>9,}"
+            f"{r.name:<40} {r.rate:>10,.0f} {'-' if r.cpu_rate is None else f'{r.cpu_rate:,.0f}':>9}"
+            f" {r.rate / base.rate:>6.2f} {r.num_decisions:>9,}"
             f" {ms(pct(r.decide_s, 0.5)):>10} {ms(pct(r.decide_s, 0.99)):>7} {ms(pct(r.cpu_s, 0.99)):>7}"
             f" {ms(pct(r.ready_s, 0.5)):>13} {ms(pct(r.ready_s, 0.99)):>7}"
             f" {ms(pct(r.appended_s, 0.5)):>12} {ms(pct(r.appended_s, 0.99)):>7}"
@@ -384,6 +416,8 @@ def table(rows: list[Row], base: Row) -> str:
 async def main_async(args: argparse.Namespace) -> int:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{os.cpu_count()} CPUs, load average {load} (latency tails include preemption by other work)")
+    tune_gc()
+    print(f"collector thresholds {GC_THRESHOLDS} (the worker process's)")
     print(f"generating {args.events:,} events for {args.sessions:,} live sessions ...", flush=True)
     events, mean_blocks = workload(args.events, args.sessions, args.seed)
     config = config_for(args.sessions, mean_blocks)
@@ -392,30 +426,41 @@ async def main_async(args: argparse.Namespace) -> int:
         topics[type(e.body).__name__] = topics.get(type(e.body).__name__, 0) + 1
     print(f"mix: {json.dumps(topics)}")
     print(f"GPU {config.gpu_total_blocks:,} blocks, host {config.host_total_blocks:,} (mean held {mean_blocks})")
-    gc.freeze()
     rows = [run_fold(events, config)]
     print(f"  {rows[-1].name}: {rows[-1].rate:,.0f} events/s", flush=True)
     records = encode_all(events)
     rows.append(run_decode_fold(records, config))
     print(f"  {rows[-1].name}: {rows[-1].rate:,.0f} events/s", flush=True)
+    del records
     manager = CacheManager(config, CachePolicy())
     for e in events:
         manager.apply(e.event_id, e.session_id, e.body, e.at)
-    live = sum(1 for sid in {e.session_id for e in events} if manager.builder.view(sid).phase.value != "finished")
-    print(f"live sessions at the end: {live:,}; GPU used {manager.gpu_used:,} of {config.gpu_total_blocks:,}")
+    live = sum(1 for sid in {e.session_id for e in events} if manager.view(sid).phase.value != "finished")
+    print(
+        f"live sessions at the end: {live:,}; sessions kept by the manager {manager.num_sessions:,} "
+        f"({manager.num_forgotten:,} finished ones forgotten); GPU used {manager.gpu_used:,} of "
+        f"{config.gpu_total_blocks:,}"
+    )
+    del manager
     append_rate = None
     if args.bootstrap:
-        namespace = f"scale{uuid.uuid4().hex[:8]}"
+        # One namespace per worker row: each appends its decisions to an empty kv.decisions.
+        namespaces = [f"scale{uuid.uuid4().hex[:8]}" for _ in range(max(1, len(args.poll_sizes)))]
         try:
-            append_rate = await fill_kafka(args.bootstrap, namespace, events, args.partitions)
-            print(f"  appended to Kafka at {append_rate:,.0f} events/s (not a row: the writers' cost)", flush=True)
-            rows.append(await run_consume(args.bootstrap, namespace, len(events), args.max_records))
-            print(f"  {rows[-1].name}: {rows[-1].rate:,.0f} events/s", flush=True)
-            for max_records in args.poll_sizes:
-                rows.append(await run_worker(args.bootstrap, namespace, config, len(events), max_records))
-                print(f"  {rows[-1].name}: {rows[-1].rate:,.0f} events/s", flush=True)
+            for i, namespace in enumerate(namespaces):
+                rate = await fill_kafka(args.bootstrap, namespace, events, args.partitions)
+                append_rate = rate if append_rate is None else append_rate
+                print(f"  appended to Kafka at {rate:,.0f} events/s (not a row: the writers' cost)", flush=True)
+                if i == 0:
+                    rows.append(await run_consume(args.bootstrap, namespace, len(events), args.max_records))
+                    print(f"  {rows[-1].name}: {rows[-1].rate:,.0f} events/s", flush=True)
+                if i < len(args.poll_sizes):
+                    max_records = args.poll_sizes[i]
+                    rows.append(await run_worker(args.bootstrap, namespace, config, len(events), max_records))
+                    print(f"  {rows[-1].name}: {rows[-1].rate:,.0f} events/s", flush=True)
         finally:
-            delete_namespace(args.bootstrap, namespace)
+            for namespace in namespaces:
+                delete_namespace(args.bootstrap, namespace)
     print()
     print(table(rows, rows[0]))
     worker_rows = [r for r in rows if r.name.startswith("Kafka worker")]
@@ -453,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "name": r.name,
                 "events_per_s": r.rate,
+                "events_per_cpu_s": r.cpu_rate,
                 "decisions": r.num_decisions,
                 **{
                     f"{k}_{q}": pct(getattr(r, k), p)

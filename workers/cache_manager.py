@@ -15,9 +15,11 @@ executor), tool durations likewise; TTLs and distances are multiplied back when
 written, so ``ttl_ms`` is in log time, as the engine expects.
 
 **Each poll**: fold every event (``CacheManager.apply``), partitions merged by
-``occurred_at`` (each in offset order; see ``in_time_order``), and append the poll's decisions
-with one ``append_many``, which runs while the next poll is read and folded (at most one
-append in flight, so decisions land in order). Offsets are committed about once a second,
+``occurred_at`` (each in offset order; see ``in_time_order``), and queue the poll's
+decisions for appending. At most one ``append_many`` is in flight, so decisions land in
+order; it runs while the next polls are read and folded, and when it has landed the next
+one takes everything queued meanwhile (the loop waits for it only when more than
+``MAX_QUEUED_DECISIONS`` are queued). Offsets are committed about once a second,
 after the appends before them landed; they serve monitoring (consumer lag), since
 recovery reads from 0. A decision's event id is ``uuid5(trigger event id, kind,
 session)``: appending it again is a no-op.
@@ -89,6 +91,8 @@ _log = logging.getLogger(__name__)
 
 INPUT_TOPICS = ("agent.actions", "agent.effects", "kv.events")
 DECISIONS_TOPIC = "kv.decisions"
+MAX_QUEUED_DECISIONS = 5000
+"""Decisions that may wait behind the append in flight before the loop waits for it."""
 
 
 @dataclass
@@ -207,6 +211,10 @@ class CacheManagerWorker:
         # Replayed decisions not in the log, per kv.decisions partition, in decision order,
         # since the last one of that partition found in the log (appended when the replay ends).
         self._pending: dict[int, list[Decided]] = {}
+        # Decisions waiting for the append in flight (see _pump), and their triggers' receive times.
+        self._queued: list[Draft] = []
+        self._queued_ready: list[float] = []
+        self._inflight: asyncio.Task[None] | None = None
         # Next offset to fold per (topic, partition): a partition that comes back after a
         # rebalance is read again from 0 (from_beginning), and must not be folded twice.
         self._next_offset: dict[tuple[str, int], int] = {}
@@ -286,8 +294,6 @@ class CacheManagerWorker:
         consumer = await self.log.consumer(
             self.group, list(self.topics), from_beginning=True, instance_id=self.instance_id
         ).start()
-        # One append in flight while the next poll is read and folded (appends stay in order).
-        inflight: asyncio.Task[None] | None = None
         last_commit = time.monotonic()
         try:
             while not self._stopping.is_set():
@@ -301,24 +307,48 @@ class CacheManagerWorker:
                     _log.info("cache manager caught up: %s", self.stats.summary())
                 if drafts:
                     crash_point("cache-manager.before_append")
-                    if inflight is not None:
-                        await inflight
-                    inflight = asyncio.create_task(self._append(drafts, ready))
+                    self._queued.extend(drafts)
+                    self._queued_ready.extend(ready)
+                await self._pump()
                 if time.monotonic() - last_commit >= self.commit_every_s:
                     # Offsets are for monitoring (recovery reads from 0): commit what is appended.
-                    if inflight is not None:
-                        await inflight
-                        inflight = None
+                    await self._flush_appends()
                     await consumer.commit()
                     last_commit = time.monotonic()
-            if inflight is not None:
-                await inflight
+            await self._flush_appends()
             await consumer.commit()
         finally:
-            if inflight is not None and not inflight.done():
-                inflight.cancel()
+            if self._inflight is not None and not self._inflight.done():
+                self._inflight.cancel()
+            self._inflight = None
             await consumer.close()
             _log.info("cache manager stopped: %s", self.stats.summary())
+
+    async def _pump(self) -> None:
+        """Start the next append if none is in flight; wait for the one in flight only when
+        it has landed (to see its error) or when too many decisions are queued behind it.
+
+        At most one ``append_many`` is in flight and each takes everything queued when it
+        starts, so decisions land in decision order. Queuing instead of waiting for the
+        append before the next poll keeps the loop folding while the producer waits for
+        its acknowledgement (tens of ms with acks=all while this process is busy).
+        """
+        inflight = self._inflight
+        if inflight is not None and (inflight.done() or len(self._queued) >= MAX_QUEUED_DECISIONS):
+            self._inflight = None
+            await inflight  # raises the append's error
+        if self._inflight is None and self._queued:
+            drafts, ready = self._queued, self._queued_ready
+            self._queued, self._queued_ready = [], []
+            self._inflight = asyncio.create_task(self._append(drafts, ready))
+
+    async def _flush_appends(self) -> None:
+        """Until every decision queued so far has landed."""
+        while self._inflight is not None or self._queued:
+            if self._inflight is not None:
+                inflight, self._inflight = self._inflight, None
+                await inflight
+            await self._pump()
 
     async def _append(self, drafts: list[Draft], ready: list[float]) -> None:
         await self.log.append_many(drafts)
