@@ -2,19 +2,33 @@
 
 Run::
 
-    python -m bench.cache_policies [--quick] [--csv FILE] [--png FILE] [--txt FILE]
-                                   [--seed S] [--workloads a,b] [--policies a,b]
+    python -m bench.cache_policies [--quick] [--engine batch|serial] [--csv FILE] [--png FILE]
+                                   [--txt FILE] [--md FILE] [--seed S] [--workloads a,b]
+                                   [--policies a,b] [--from-csv FILE]
 
-(``--quick``: fewer sessions per workload, about 2-3 minutes on one core; the full
-sweep takes 12-18 minutes.) Results and the honest comparison: ``docs/cache-policies.md``.
+(``--quick``: fewer sessions per workload, about 3 minutes on one core.) Results and
+the honest comparison: ``docs/cache-policies.md``.
 
 What runs
 ---------
-Simulated time, no sleeps. One engine serves one LLM call at a time from a FIFO
-queue (the project's ``SimEngine`` model), against a ``PagedKVCache`` (GPU tier plus
-a host tier of the same size) charged by the default ``CostModel`` (Llama-3-8B on an
-A100; see ``services/engine/cost.py``). Every policy gets the same cache sizes, cost
-model and workload; only the cache manager differs. A session's context is synthetic
+Simulated time, no sleeps. One engine serves the LLM calls against a ``PagedKVCache``
+(GPU tier plus a host tier of the same size) charged by the default ``CostModel``
+(Llama-3-8B on an A100; see ``services/engine/cost.py``). Two engine models:
+
+- ``--engine batch`` (the default): continuous batching, iteration-level scheduling as
+  in vLLM (``BatchSim``, whose docstring has the rules): every step each running call
+  decodes a token, calls are admitted FIFO while their whole reservation fits in the
+  free blocks (what pins and running calls leave), grow a block per ``block_size``
+  tokens, and are preempted (newest first, recomputed later) when growth finds no
+  block the manager can free. A step costs ``CostModel.batch_step_ms`` (the weight
+  read once per step, compute and KV reads per sequence) plus the prefills, swap-ins
+  and transfers since the previous step, so memory held by idle sessions shrinks the
+  batch and a recompute or transfer stalls every running call.
+- ``--engine serial``: one call at a time from a FIFO queue (the project's
+  ``SimEngine`` model; ``Sim``), the earlier results' model.
+
+Every policy gets the same engine, cache sizes, cost model and workload; only the
+cache manager differs. A session's context is synthetic
 token ids (``TokenRun``: shared system prompts share ids, so they share blocks); each
 turn appends its prompt, the call generates its output, the tool (true trace
 duration) runs, and its result is appended before the next call. A call that does
@@ -24,9 +38,10 @@ released (counted as ``forced``) and the call retried.
 **Transfers are charged both ways.** A call pays ``swap_ms`` for the blocks it swaps
 in; every swap-out pays ``swap_ms`` of engine time too: transfers are serialized with
 compute (as vLLM v0 swaps blocks in its scheduler step, and as InferCept's waste
-model assumes: a swap stalls everyone). A swap-out made while a call starts (its
-``make_room``) lengthens that call; one made at another time occupies the engine
-from then on, so calls that arrive meanwhile wait for it.
+model assumes: a swap stalls everyone). Serial: a swap-out made while a call starts
+(its ``make_room``) lengthens that call; one made at another time occupies the engine
+from then on, so calls that arrive meanwhile wait for it. Batch: the next step pays
+it (every running call waits); an idle engine runs it at once.
 
 Policies
 --------
@@ -101,9 +116,12 @@ largest, over call starts in an unconstrained run, of the blocks of every live
 session's context plus the call's reservation (never below the largest call, so on a
 workload whose largest call is above 25% of the peak, 25% and 50% can coincide: the
 ``blocks`` column says). Arrival rates are offered loads (50% and 80%) of the
-engine's service time with a perfect cache (only appended tokens prefilled): what is
-lost to recomputation and transfers pushes the real load above that, and queueing
-shows it.
+engine's throughput with a perfect cache (only appended tokens prefilled): serial, of
+a session's engine time alone; batch, of its engine time in full batches of
+``MAX_NUM_SEQS`` (``engine_s_per_session``). What is lost to recomputation, transfers
+and smaller batches pushes the real load above that, and queueing shows it.
+``preempt``: calls preempted (batch engine); ``batch``: running calls averaged over
+the time the engine computes.
 """
 
 from __future__ import annotations
