@@ -383,6 +383,11 @@ class Sim:
         self.manager.on_gap(s, t)
 
     # helpers for managers
+    def delayed_by_transfer(self) -> int:
+        """Running calls that a transfer made now would delay: none on the serial engine (it
+        queues the transfer after the running call, so only calls that arrive meanwhile wait)."""
+        return 0
+
     def gpu_blocks_of(self, sid: SessionId) -> int:
         return len(self.cache.blocks_of(sid).gpu_block_ids)
 
@@ -496,6 +501,10 @@ class BatchSim(Sim):
         self.m.swapped_out_blocks = self.cache.stats.num_swapped_out_blocks
         self.m.steps = self.step
         return self.m
+
+    def delayed_by_transfer(self) -> int:
+        """Every running call: the next step pays for a transfer, so the whole batch waits for it."""
+        return len(self.running)
 
     def transfer(self, num_blocks: int, now: float) -> None:
         """Transfers are serialized with compute: the next step pays for them (an idle engine runs them at once)."""
@@ -855,7 +864,7 @@ class Ours(Manager):
             host_free_blocks=cache.num_free_host_blocks,
             needed_blocks=needed,
             reclaimable=reclaimable,
-            queued_calls=len(sim.queue),
+            queued_calls=len(sim.queue) + sim.delayed_by_transfer(),
         )
         free_before = cache.num_free_blocks
         for d in self._policy().decide(views, now, memory, Delays(queue_s=sim.queue_delay_s)):

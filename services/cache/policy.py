@@ -109,7 +109,8 @@ class MemoryState:
     engine needs free now (0 when nothing waits). ``reclaimable``: per session, the
     GPU blocks that evicting it would free (its pinned blocks); None means all of a
     session's ``gpu_blocks``. ``queued_calls``: LLM calls waiting for the engine (an
-    offload's transfer would delay them).
+    offload's transfer would delay them); on a continuous-batching engine, where a
+    transfer stalls every running call, count the running calls too.
     """
 
     gpu_total_blocks: int
