@@ -199,3 +199,25 @@ def test_load_is_a_fraction_of_the_full_batch_throughput() -> None:
     assert serial == service_s(trace, cost)
     # In full batches of 256 a decode step's 9.9 ms weight read is shared: 100 steps save 9.9 * 255 / 256 ms.
     assert serial - batch == pytest.approx(100 * 9.9 * 255 / 256 / 1000)
+
+
+def test_ours_defers_an_offload_while_calls_run_on_the_batch_engine() -> None:
+    # a's one-block context enters a long human gap while b's call holds the other 10 of 11 GPU
+    # blocks: pressure 0.91, so a's next reference (at least 60 s) is beyond the horizon
+    # (300 s * 0.09) and swapping it out pays. A transfer now would stall b's steps, so ours keeps
+    # a pinned; once b has ended, memory is free and a is worth keeping: nothing is ever moved.
+    trace = Trace(
+        (
+            _session("a", 0.0, TraceTurn(16, 1, "human", 100.0, 0), TraceTurn(16, 1)),
+            _session("b", 0.0, TraceTurn(144, 17)),
+        )
+    )
+    sim = BatchSim(trace, make_manager("ours"), gpu_blocks=11, host_blocks=11, cost=CostModel())
+    m = sim.run()
+    assert (m.swapped_out_blocks, m.swapped_in_blocks, m.preemptions) == (0, 0, 0)
+    assert m.computed_tokens == 16 + 144 + 17  # a's return hits its pinned block (and its output)
+    # Told that no one waits for the engine (the serial engine's rule), ours swaps a out at once.
+    eager = BatchSim(trace, make_manager("ours"), gpu_blocks=11, host_blocks=11, cost=CostModel())
+    eager.delayed_by_transfer = lambda: 0  # type: ignore[method-assign]
+    m = eager.run()
+    assert m.swapped_out_blocks == m.swapped_in_blocks == 1
