@@ -2,7 +2,7 @@
 
 A worker is a member of its role's consumer group. For each partition it is
 assigned, it first *replays* the partition of every topic it reads, from
-offset 0 up to the end offsets seen at assignment time, folding the events
+offset 0 (or from its mark, below) up to the end offsets seen at assignment time, folding the events
 into per-session state without acting. Once a partition has caught up, the
 worker *resumes* each of its sessions (the residual work: what the log says
 was started and never finished) and from then on acts on each new event.
@@ -26,9 +26,10 @@ of 0 (``log.consumer.StartAt``), and:
   otherwise it is loaded from the log;
 - a session met through a record that is not its beginning (its chain began
   below the start: seq > 0; or, once caught up, any record of a session not
-  held that is not its start) is loaded from the log (``load_below``: the
-  newest trusted snapshot plus the records after it, or every record) up to
-  the consumer's position, then the record is folded as usual;
+  held that is not its start) is loaded from the log (``load_session``: the
+  newest trusted snapshot plus the records after it, or every record), all of
+  it but that record and what follows it in its topic; the consumer skips the
+  records the load read; then the record is folded as usual;
 - at catch-up, a listed session not met, or a session begun from scratch
   without its opening record, is loaded from the log too.
 
