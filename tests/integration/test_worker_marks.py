@@ -13,7 +13,9 @@ payment held for an operator's approval. Then:
   sessions finish having done the residual work exactly once (no LLM call, tool call or
   payment run again; counted on the log, the engine and the ledger);
 - marks that lie (a start above records still needed, a checkpoint without a snapshot)
-  and a tampered snapshot never give a wrong fold: those sessions are loaded from the log.
+  and a tampered snapshot never give a wrong fold: those sessions are loaded from the log;
+- a session that finished before the restart (so below the marks) and is restored by an
+  operator after it is loaded by each role when the restore's events reach it, and runs again.
 """
 
 from __future__ import annotations
@@ -322,3 +324,79 @@ def test_workers_recover_from_marks_on_postgres(
     pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_world(pg_url, pg_url, namespace, tmp_path, monkeypatch)
+
+
+async def restore_after_restart(world: World) -> None:
+    """A session that finished before the workers stopped is not in their marks; an operator's
+    restore of it after the restart makes each role load it from the log, and the restore runs."""
+    session = f"restored-{uuid.uuid4().hex[:6]}"
+    steps = [LLM, {"checkpoint": True}, {"tool": "echo", "arguments": {"text": "again"}}, LLM]
+    logs = {role: await world.open(role).start() for role in ("planner", "decider", "executor", "operator")}
+    store = await SnapshotStore(world.pg_url, world.namespace).start()
+    ledger = await Ledger(world.pg_url).start()
+    operator = logs["operator"]
+    try:
+        workers = await world.workers(store, logs, ledger)
+        tasks = [asyncio.create_task(w.run()) for w in workers]
+        args = json.dumps({"steps": steps})
+        await operator.append(session, ev.SessionRequested(program="script", args_json=args, author="t"))
+        await until_folded(world, operator, session, lambda s: s.finished)
+        for worker in workers:
+            worker.shutdown()
+        await asyncio.gather(*tasks)
+        await workers[0].engine.close()  # type: ignore[attr-defined]
+        partition = operator.partition_for(session)
+        for role in ROLES:
+            mark = await store.load_mark(role.role, partition)
+            assert mark is not None and session not in mark.sessions, "finished: not in the mark"
+
+        workers = await world.workers(store, logs, ledger)
+        tasks = [asyncio.create_task(w.run()) for w in workers]
+        await until(lambda: all(w.caught_up for w in workers), "restarted workers caught up")
+        assert all(session not in w.sessions for w in workers), "below the marks: never read"
+        await operator.append(session, ev.RestoreRequested(author="t", checkpoint_id="ckpt-1", dry_run=False))
+        state = await until_folded(world, operator, session, lambda s: s.generation == 1 and s.finished)
+        for worker in workers:
+            worker.shutdown()
+        await asyncio.gather(*tasks)
+        await workers[0].engine.close()  # type: ignore[attr-defined]
+        assert {"r1.tool-2", "r1.llm-3"} <= set(state.tool_calls) | set(state.llm_calls)
+        assert state.tool_calls["r1.tool-2"].status.value == "completed"
+        planner, decider, executor = workers
+        assert planner.recovery.loaded == 1 and decider.recovery.loaded == 1 and executor.recovery.loaded == 1
+        assert planner.num_engine_calls == 1 and executor.num_executed == 1  # type: ignore[attr-defined]
+        # The executor's fold (its own appends folded at once carry no time of their own that matters)
+        # is the log's; the planner's own appends carry their local time until read back.
+        assert state_to_json(executor.sessions[session]) == state_to_json(await world.fold(logs["executor"], session))
+    finally:
+        await ledger.close()
+        await store.close()
+        for log in logs.values():
+            await log.close()
+
+
+async def until_folded(world: World, log: SharedLog, session: str, check: Any, timeout_s: float = 60) -> SessionState:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not check(state := await world.fold(log, session)):
+        assert loop.time() < deadline, state
+        await asyncio.sleep(0.2)
+    return state
+
+
+def test_a_finished_session_restored_after_a_restart_is_loaded_when_its_restore_arrives(
+    pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
+    ensure_topics(pg_url, namespace=namespace)
+    stack = Stack(pg_url, tmp_path, time_scale=0.05)
+    stack.work_dir.mkdir(parents=True, exist_ok=True)
+    from cli.stack import free_port
+
+    stack.engine_port = free_port()
+    stack.start_process("engine")
+    try:
+        stack.wait_for_engine(30)
+        asyncio.run(restore_after_restart(World(pg_url, pg_url, namespace, stack.engine_url, tmp_path)))
+    finally:
+        stack.stop()
