@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import asyncpg
+
 from log import DuplicateVerdict, LoggedEvent, RecordError, SharedLog, UnknownSession
 from log.consumer import ChainSeed, EventConsumer, StartAt
 from log.snapshots import PartitionMark, Snapshot, SnapshotStore
@@ -100,8 +102,16 @@ def add_snapshot_arguments(parser: Any) -> None:
 
 
 async def open_snapshot_store(log: SharedLog, args: Any) -> SnapshotStore | None:
+    """The store of snapshots and marks for a role that only reads snapshots and keeps marks; None
+    (replay from offset 0) when there is none or it cannot be opened: marks only save time."""
     url = snapshot_url(getattr(args, "snapshot_url", None), getattr(args, "log_url", None))
-    return await SnapshotStore(url, log_namespace(log)).start() if url else None
+    if not url:
+        return None
+    try:
+        return await SnapshotStore(url, log_namespace(log)).start()
+    except (OSError, asyncpg.PostgresError) as e:
+        _log.warning("no snapshot store (%s): partitions are replayed from offset 0", e)
+        return None
 
 
 def _opens(event: LoggedEvent) -> bool:
