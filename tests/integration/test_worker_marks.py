@@ -75,6 +75,7 @@ async def recover(log: SharedLog, store: SnapshotStore | None, role: type[Sessio
     reader = Reader(log, group=group, snapshots=store)
     reader.topics = role.topics
     reader.role = role.role
+    reader.acts_on = role.acts_on  # the marks it saves on stopping are the role's
     running = asyncio.create_task(reader.run())
     await until(lambda: reader.caught_up, f"{group} caught up")
     reader.shutdown()
@@ -124,7 +125,8 @@ class World:
         ]  # fmt: skip
 
 
-async def scenario(world: World) -> dict[str, Any]:
+async def scenario(world: World, *, kill: bool) -> dict[str, Any]:
+    """``kill``: phase 1 ends like a SIGKILL (no last mark: the marks are the periodic ones)."""
     run = uuid.uuid4().hex[:6]
     shorts = [f"short-{run}-{i}" for i in range(NUM_SHORT)]
     longs = [f"long-{run}-{i}" for i in range(NUM_LONG)]
@@ -156,9 +158,14 @@ async def scenario(world: World) -> dict[str, Any]:
         while not await settled():
             assert loop.time() < deadline, {s: states[s].status for s in states}
             await asyncio.sleep(0.3)
-        for worker in workers:
-            worker.shutdown()
-        await asyncio.gather(*tasks)
+        if kill:
+            for task in [*tasks, *(t for w in workers for t in w._tasks)]:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        else:
+            for worker in workers:
+                worker.shutdown()
+            await asyncio.gather(*tasks)
         await workers[0].engine.close()  # type: ignore[attr-defined]  # (close() would close the shared store)
         engine_calls_before = workers[0].num_engine_calls  # type: ignore[attr-defined]
         for s in longs:
@@ -167,7 +174,7 @@ async def scenario(world: World) -> dict[str, Any]:
         honest = {
             role.role: [m for p in range(4) if (m := await store.load_mark(role.role, p)) is not None] for role in ROLES
         }
-        assert all(len(marks) == 4 for marks in honest.values()), "every partition has a mark after a clean stop"
+        assert all(len(marks) == 4 for marks in honest.values()), "every partition is marked once caught up"
 
         # ---- phase 2: the same recovery from the marks and from offset 0, side by side
         for role in ROLES:
@@ -188,11 +195,14 @@ async def scenario(world: World) -> dict[str, Any]:
                     assert set(got.tool_calls) == set(calls)
                     proposed = {c for c, t in calls.items() if t.status.value == "proposed"}
                     assert proposed == {c for c, t in got.tool_calls.items() if t.status.value == "proposed"}
-            assert marked.recovery.from_snapshot >= NUM_LONG, marked.recovery
             assert marked.recovery.distrusted == 0
             assert marked.consumer is not None and marked.consumer.stats.num_dead_lettered == 0
             report[role.role] = (records_read(zero), records_read(marked), marked.recovery)
-            assert records_read(marked) * 3 < records_read(zero), report[role.role]
+            if kill:  # the newest periodic mark may be older than the newest checkpoints: less gain
+                assert records_read(marked) < records_read(zero), report[role.role]
+            else:
+                assert marked.recovery.from_snapshot >= NUM_LONG, marked.recovery
+                assert records_read(marked) * 3 < records_read(zero), report[role.role]
 
         # ---- phase 3: the real workers restart from their marks and finish the residual work once
         workers = await world.workers(store, logs, ledger)
@@ -295,7 +305,9 @@ async def lying_marks(
     assert reader.recovery.distrusted >= NUM_LONG and reader.recovery.from_snapshot == 0
 
 
-def run_world(log_url: str, pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def run_world(
+    log_url: str, pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, kill: bool
+) -> None:
     monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
     ensure_topics(log_url, namespace=namespace)
     stack = Stack(log_url, tmp_path, time_scale=0.05)
@@ -307,23 +319,25 @@ def run_world(log_url: str, pg_url: str, namespace: str, tmp_path: Path, monkeyp
     try:
         stack.wait_for_engine(30)
         world = World(log_url, pg_url, namespace, stack.engine_url, tmp_path)
-        report = asyncio.run(scenario(world))
+        report = asyncio.run(scenario(world, kill=kill))
         for role, (zero, marked, recovery) in report.items():
             print(f"{role}: {zero} records from offset 0, {marked} from marks ({recovery})")
     finally:
         stack.stop()
 
 
+@pytest.mark.parametrize("stop", ["clean", "kill"])
 def test_workers_recover_from_marks_on_kafka(
-    kafka_bootstrap: str, pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stop: str, kafka_bootstrap: str, pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run_world(f"kafka://{kafka_bootstrap}", pg_url, namespace, tmp_path, monkeypatch)
+    run_world(f"kafka://{kafka_bootstrap}", pg_url, namespace, tmp_path, monkeypatch, kill=stop == "kill")
 
 
+@pytest.mark.parametrize("stop", ["clean", "kill"])
 def test_workers_recover_from_marks_on_postgres(
-    pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stop: str, pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run_world(pg_url, pg_url, namespace, tmp_path, monkeypatch)
+    run_world(pg_url, pg_url, namespace, tmp_path, monkeypatch, kill=stop == "kill")
 
 
 async def restore_after_restart(world: World) -> None:
