@@ -333,6 +333,15 @@ class KafkaSubscription(Subscription, ConsumerRebalanceListener):  # type: ignor
     def assignment(self) -> set[tuple[str, int]]:
         return {(self.backend.logical(tp.topic), tp.partition) for tp in self._consumer.assignment()}
 
+    def seek(self, topic: str, partition: int, offset: int) -> bool:
+        # Called between polls (kafka-python's consumer is not thread-safe, and poll runs in a
+        # thread); records fetched earlier from the old position are discarded by its fetcher.
+        tp = TopicPartition(self.backend.physical(topic), partition)
+        if tp not in self._consumer.assignment():
+            return False
+        self._consumer.seek(tp, offset)
+        return True
+
     async def close(self) -> None:
         if self._consumer is not None:
             await asyncio.to_thread(self._consumer.close)
