@@ -77,11 +77,36 @@ most once per call. This is Belady on the host tier, weighted by size and cost: 
 context that returns soon displaces one that returns late only when that saves
 recompute.
 
+**Prefetch** (host residents back to GPU before their call, so that the call does not
+pay the swap-in). The *lead* of ``h`` host blocks is ``lead_s(h) = swap_ms(h) / 1000 +
+prefetch_margin_s`` (the transfer itself plus a margin for the error of ``D``; default
+1 s). After the GPU candidates, and only when ``deficit == 0`` and no call waits
+(``queued_calls == 0``, the rule that defers offloads: the transfer then delays no
+one), host residents not displaced by this call are taken in ascending (``D``, session
+id) order; a resident with ``h`` host blocks is PREFETCHed when
+
+- ``D <= lead_s(h)`` (its call is about to come), and
+- the GPU keeps room for it: ``room = gpu_free_blocks - needed_blocks - (blocks
+  prefetched before it in this call) >= h``, and
+- it would then be kept: ``D <= max_horizon_s * (room - h) / gpu_total_blocks`` (the
+  horizon at the pressure after the prefetch; otherwise rule 3 would swap it straight
+  back out: no ping-pong).
+
+A PREFETCH carries ``ttl = clamp(ttl_factor * D, min_ttl_s, max_ttl_s)`` (rule 4's TTL):
+the session is then held on GPU (pinned) like a PRESERVE and re-scored when it ends.
+Blocks freed by this call's own SWAP/DISCARD decisions are not counted as room (they
+move only once the decisions are carried out).
+
+**Re-look time of a SWAP.** Every SWAP decision of an unfinished session with a finite
+``D`` carries ``ttl_s = max(0, D - lead_s(b))``: when to decide about it again (then as a
+host resident, for a prefetch). ``None`` when ``D`` is infinite.
+
 **One session** (``decide_session``): what ``decide`` would decide for that view
 alone when nothing is needed (``needed_blocks`` is ignored; no resident is ever
-displaced without a deficit): rules 1, 3 and 4 with the memory given; None when the view is not a GPU
-candidate. ``decide_session(v, ...) == (decide([v], ...) or [None])[0]`` whenever
-``needed_blocks <= gpu_free_blocks``. It is O(1), for per-event managers.
+displaced without a deficit): rules 1, 3 and 4 with the memory given for a GPU
+candidate, the prefetch rule for a host resident; None when the view is neither or
+nothing is to be done. ``decide_session(v, ...) == (decide([v], ...) or [None])[0]``
+whenever ``needed_blocks <= gpu_free_blocks``. It is O(1), for per-event managers.
 """
 
 from __future__ import annotations
@@ -144,6 +169,7 @@ class PolicyConfig:
     ttl_factor: float = 2.0
     min_ttl_s: float = 1.0
     max_ttl_s: float = 600.0
+    prefetch_margin_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +181,7 @@ class CacheDecision:
     score: float
     next_reference_s: float  # math.inf when the session will not return
     num_blocks: int
-    ttl_s: float | None = None  # PRESERVE only
+    ttl_s: float | None = None  # PRESERVE, PREFETCH: the hold's TTL; SWAP: when to look again (prefetch)
     reason: str = ""
 
     def to_event(self, engine_id: str) -> CacheDecisionMade:
@@ -260,6 +286,8 @@ class CachePolicy:
         self, view: SessionView, now: float, memory: MemoryState, delays: Delays = Delays()
     ) -> CacheDecision | None:
         """The decision ``decide([view])`` makes when nothing is needed (see the module docstring)."""
+        if _is_host_resident(view):
+            return self._prefetch(view, now, memory, 0, delays)
         if not _is_gpu_candidate(view):
             return None
         score = self.score(view, now, memory.host_free_blocks, delays)
@@ -295,14 +323,66 @@ class CachePolicy:
                     action, reason = CacheAction.SWAP, "memory pressure: swapping costs less than the tail's recompute"
                 else:
                     action, reason = CacheAction.RELEASE, "memory pressure: no host room or recompute is cheaper"
-                decisions.append(CacheDecision(sid, action, score, distance, view.gpu_blocks, reason=reason))
+                relook = self.relook_s(view.gpu_blocks, distance) if action is CacheAction.SWAP else None
+                decisions.append(CacheDecision(sid, action, score, distance, view.gpu_blocks, relook, reason))
                 deficit -= freed
                 continue
             made, host_free = self._no_deficit(view, score, now, memory, host_free, delays)
             decisions.extend(made)
             if view.phase is Phase.FINISHED:
                 deficit -= freed
+        if memory.needed_blocks <= memory.gpu_free_blocks:  # no deficit to begin with
+            decisions.extend(self._prefetches(residents, now, memory, delays))
         return decisions
+
+    def lead_s(self, num_blocks: int) -> float:
+        """How long before its next call a host resident is prefetched: the transfer plus a margin."""
+        return self.cost.swap_ms(num_blocks) / _MS_PER_S + self.config.prefetch_margin_s
+
+    def relook_s(self, num_blocks: int, distance: float) -> float | None:
+        """When to look again at a session swapped out now (``D`` before its call): one lead ahead."""
+        return None if math.isinf(distance) else max(0.0, distance - self.lead_s(num_blocks))
+
+    def _prefetches(
+        self, residents: Iterable[_Resident], now: float, memory: MemoryState, delays: Delays
+    ) -> list[CacheDecision]:
+        """The prefetch rule over the residents not displaced, soonest first (module docstring)."""
+        if memory.queued_calls > 0:
+            return []
+        order = sorted(
+            ((self.next_reference_s(r.view, now, delays), r.session_id, r.view) for r in residents if not r.evicted),
+            key=lambda e: (e[0], e[1]),
+        )
+        out: list[CacheDecision] = []
+        taken = 0
+        for _, _, view in order:
+            decision = self._prefetch(view, now, memory, taken, delays)
+            if decision is not None:
+                out.append(decision)
+                taken += decision.num_blocks
+        return out
+
+    def _prefetch(
+        self, view: SessionView, now: float, memory: MemoryState, taken: int, delays: Delays
+    ) -> CacheDecision | None:
+        """PREFETCH for one host resident when its call is within the lead, the GPU has room
+        (``taken`` blocks already prefetched) and it would be kept there; else None."""
+        c = self.config
+        h = view.host_blocks
+        if memory.queued_calls > 0 or h <= 0:
+            return None
+        distance = self.next_reference_s(view, now, delays)
+        lead = self.lead_s(h)
+        room = memory.gpu_free_blocks - memory.needed_blocks - taken
+        if distance > lead or room < h or memory.gpu_total_blocks <= 0:
+            return None
+        horizon_after = c.max_horizon_s * (room - h) / memory.gpu_total_blocks
+        if distance > horizon_after:
+            return None
+        ttl = min(c.max_ttl_s, max(c.min_ttl_s, c.ttl_factor * distance))
+        reason = f"next reference {distance:.3g}s within the prefetch lead {lead:.3g}s; {room} blocks free"
+        score = self.host_score(view, h, now, delays)
+        return CacheDecision(view.session_id, CacheAction.PREFETCH, score, distance, h, ttl_s=ttl, reason=reason)
 
     def _no_deficit(
         self,
@@ -337,7 +417,8 @@ class CachePolicy:
             return [
                 CacheDecision(sid, CacheAction.PRESERVE, score, distance, blocks, ttl_s=ttl, reason=reason)
             ], host_free
-        return [CacheDecision(sid, CacheAction.SWAP, score, distance, blocks, reason=beyond)], host_free - blocks
+        relook = self.relook_s(blocks, distance)
+        return [CacheDecision(sid, CacheAction.SWAP, score, distance, blocks, relook, beyond)], host_free - blocks
 
     def release_loss_ms(self, view: SessionView) -> float:
         """Expected cost of releasing the view's GPU blocks to the LRU under pressure: its whole

@@ -264,7 +264,9 @@ def test_offloads_wait_while_calls_are_queued() -> None:
     idle = MemoryState(gpu_total_blocks=100, gpu_free_blocks=30, host_free_blocks=10)
     busy = MemoryState(gpu_total_blocks=100, gpu_free_blocks=30, host_free_blocks=10, queued_calls=2)
     now = p.decide_session(b, 1.0, idle)
-    assert now is not None and (now.action, now.ttl_s) == (CacheAction.SWAP, None)
+    # Its re-look time: one prefetch lead (the swap-in plus the 1 s margin) before its call.
+    assert now is not None and now.action is CacheAction.SWAP
+    assert now.ttl_s == pytest.approx(60.0 - p.cost.swap_ms(10) / 1000 - 1.0)
     later = p.decide_session(b, 1.0, busy)
     assert later is not None and (later.action, later.ttl_s) == (CacheAction.PRESERVE, 1.0)
     assert "deferred: 2 calls wait" in later.reason
@@ -309,3 +311,94 @@ def test_displacing_residents_must_cost_less_than_the_release() -> None:
     got = [(d.session_id, d.action) for d in p.decide([big, x], 1.0, memory)]
     assert got == [("x", CacheAction.RELEASE)]
     assert p.release_loss_ms(x) == pytest.approx(p.cost.recompute_ms(160))
+
+
+# ------------------------------------------------------------------ prefetch
+
+
+def _waiting(name: str, host_blocks: int, tool: str | None = "search") -> SessionView:
+    """A host resident: waiting on a tool (about 5 s away with the prior) or, without a tool, idle."""
+    if tool is None:
+        return SessionView(S(name), Phase.IDLE, host_blocks=host_blocks)
+    return SessionView(S(name), Phase.TOOL, tool=tool, tool_started_at=0.0, host_blocks=host_blocks)
+
+
+def test_a_host_resident_whose_call_is_within_the_lead_is_prefetched_and_held() -> None:
+    p = _policy()
+    delays = Delays(queue_s=0.5)
+    memory = MemoryState(gpu_total_blocks=100, gpu_free_blocks=50, host_free_blocks=10)
+    idle = _waiting("r", 6, tool=None)  # its call is next: D = 0.5 s, within the 1 s + swap lead
+    got = [(d.session_id, d.action, d.num_blocks, d.ttl_s) for d in p.decide([idle], 1.0, memory, delays)]
+    assert got == [("r", CacheAction.PREFETCH, 6, 1.0)]  # held like a PRESERVE: TTL 2 * 0.5 s, at least 1 s
+    assert p.lead_s(6) == pytest.approx(p.cost.swap_ms(6) / 1000 + 1.0)
+    # A tool 5.5 s away is beyond the lead: it stays on the host (nothing decided).
+    assert p.decide([_waiting("t", 6)], 1.0, memory, delays) == []
+    # With a 5 s margin it is within (when queueing takes no time: D = 5 s): held for 2 * 5 s.
+    wide = CachePolicy(latency=ToolLatencyModel(prior_mean_s=5.0), config=PolicyConfig(prefetch_margin_s=5.0))
+    assert wide.decide([_waiting("t", 6)], 1.0, memory, delays) == []
+    got = [(d.action, d.ttl_s) for d in wide.decide([_waiting("t", 6)], 1.0, memory)]
+    assert got == [(CacheAction.PREFETCH, pytest.approx(10.0))]
+
+
+def test_no_prefetch_while_calls_wait_under_a_deficit_or_without_room() -> None:
+    p = _policy()
+    idle = _waiting("r", 6, tool=None)
+    assert p.decide([idle], 1.0, MemoryState(gpu_total_blocks=100, gpu_free_blocks=50, queued_calls=1)) == []
+    # The room must be beyond what the engine needs now: 10 - 5 = 5 < 6.
+    assert p.decide([idle], 1.0, MemoryState(gpu_total_blocks=100, gpu_free_blocks=10, needed_blocks=5)) == []
+    assert p.decide([idle], 1.0, MemoryState(gpu_total_blocks=100, gpu_free_blocks=10, needed_blocks=4)) != []
+    # Under a deficit the resident is not brought back (and here it is displaced for x instead).
+    x = SessionView(S("x"), Phase.TOOL, tool="search", tool_started_at=0.0, gpu_blocks=10)
+    deficit = MemoryState(gpu_total_blocks=100, gpu_free_blocks=0, host_free_blocks=0, needed_blocks=10)
+    assert [d.action for d in p.decide([idle, x], 1.0, deficit)] == [CacheAction.RELEASE]
+
+
+def test_prefetch_only_what_would_be_kept_soonest_first() -> None:
+    wide = CachePolicy(latency=ToolLatencyModel(prior_mean_s=5.0), config=PolicyConfig(prefetch_margin_s=5.0))
+    soon, later, tie = _waiting("soon", 6, tool=None), _waiting("later", 6), _waiting("alsolater", 6)
+    # Room for one: the soonest (D = 0) goes first; the others no longer fit.
+    small = MemoryState(gpu_total_blocks=100, gpu_free_blocks=10)
+    assert [(d.session_id, d.action) for d in wide.decide([later, soon], 1.0, small)] == [
+        ("soon", CacheAction.PREFETCH)
+    ]
+    # Room for two of the same distance: ties by session id. With 12 free the second would leave
+    # none: its horizon would be 0 s, so only the first goes.
+    room = MemoryState(gpu_total_blocks=100, gpu_free_blocks=20)
+    assert [d.session_id for d in wide.decide([later, tie], 1.0, room)] == ["alsolater", "later"]
+    full = MemoryState(gpu_total_blocks=100, gpu_free_blocks=12)
+    assert [d.session_id for d in wide.decide([later, tie], 1.0, full)] == ["alsolater"]
+    # The pressure after the prefetch sets the horizon: 300 s * (7 - 6) / 100 = 3 s. The idle
+    # session (D = 0) would be kept; the tool (D = 5 s) would be swapped straight back: not fetched.
+    tight = MemoryState(gpu_total_blocks=100, gpu_free_blocks=7)
+    assert [d.session_id for d in wide.decide([soon], 1.0, tight)] == ["soon"]
+    assert wide.decide([later], 1.0, tight) == []
+
+
+def test_prefetches_come_after_the_gpu_candidates_and_decide_session_agrees() -> None:
+    p = _policy()
+    memory = MemoryState(gpu_total_blocks=100, gpu_free_blocks=50, host_free_blocks=10)
+    views = [_waiting("r", 6, tool=None), *_views()]
+    got = [(d.session_id, d.action) for d in p.decide(views, 1.0, memory)]
+    assert got == [
+        ("c", CacheAction.DISCARD),
+        ("b", CacheAction.PRESERVE),
+        ("a", CacheAction.PRESERVE),
+        ("e", CacheAction.PRESERVE),
+        ("r", CacheAction.PREFETCH),
+    ]
+    residents = [_waiting("r", 6, tool=None), _waiting("t", 6), _waiting("big", 80, tool=None)]
+    for m in [*_memories(), memory]:
+        for v in residents:
+            decided = p.decide([v], 1.0, m)
+            assert p.decide_session(v, 1.0, m) == (decided[0] if decided else None)
+
+
+def test_a_swap_says_when_to_look_again_for_a_prefetch() -> None:
+    p = _policy()
+    memory = MemoryState(gpu_total_blocks=100, gpu_free_blocks=10, host_free_blocks=15, needed_blocks=25)
+    swapped = [d for d in p.decide(_views(), 1.0, memory) if d.action is CacheAction.SWAP]
+    # b (the human, 60 s away) swapped under the deficit: looked at again one lead before its call.
+    assert [(d.session_id, d.ttl_s) for d in swapped] == [("b", pytest.approx(60.0 - p.lead_s(10)))]
+    assert swapped[0].to_event("e0").ttl_ms == round((60.0 - p.lead_s(10)) * 1000)
+    # A session that returns within the lead is looked at again at once.
+    assert p.relook_s(10, 0.5) == 0.0 and p.relook_s(10, math.inf) is None
