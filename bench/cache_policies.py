@@ -67,8 +67,10 @@ Policies
   deferred offloads; see its docstring), fed only what a log-driven manager knows:
   phases, tool durations learned from completed tools, the measured queueing delay,
   free blocks, host room and the number of queued calls. It decides at every tool
-  gap, at TTL ends, whenever the engine goes idle (deferred offloads), and when a
-  call needs room.
+  gap, at TTL ends, whenever the engine goes idle (deferred offloads and prefetches),
+  at the re-look time each SWAP carries (one prefetch lead before the predicted call),
+  and when a call needs room. A PREFETCH swaps the host blocks back in
+  (``PagedKVCache.swap_in``, charged like every transfer) and pins them with its TTL.
 - ``oracle``: Belady: pin every waiting session; under pressure evict the one whose
   TRUE next call is farthest (swap if room, else release). The bound for
   whole-session eviction (not for every cost: it ignores sizes and transfer time).
@@ -121,7 +123,8 @@ a session's engine time alone; batch, of its engine time in full batches of
 ``MAX_NUM_SEQS`` (``engine_s_per_session``). What is lost to recomputation, transfers
 and smaller batches pushes the real load above that, and queueing shows it.
 ``preempt``: calls preempted (batch engine); ``batch``: running calls averaged over
-the time the engine computes.
+the time the engine computes; ``prefetch``: PREFETCHes carried out (``ours`` only; their
+blocks count in ``swapGB`` and their time in ``xfer_s``).
 """
 
 from __future__ import annotations
@@ -207,6 +210,8 @@ class Metrics:
     steps: int = 0  # batch engine: decode steps run
     batch_s: float = 0.0  # batch engine: running calls integrated over time (mean batch = batch_s / busy_s)
     busy_s: float = 0.0  # batch engine: time spent running steps
+    prefetches: int = 0  # host residents brought back to GPU before their call (PREFETCH)
+    prefetched_blocks: int = 0  # of swapped_in_blocks: moved by prefetches
 
 
 class Sim:
@@ -255,6 +260,8 @@ class Sim:
             elif kind == "done":
                 self._running_blocks = 0
                 self._done(self.sessions[sid], t)
+            elif kind == "relook":
+                self.manager.on_relook(sid, t)
             if self.busy_until <= t:
                 if self.queue:
                     self._start(self.sessions[self.queue.popleft()], t)
@@ -290,6 +297,21 @@ class Sim:
     def discard(self, sid: SessionId) -> None:
         self.cache.discard(sid)
         self.on_host.pop(sid, None)
+
+    def prefetch(self, sid: SessionId, now: float) -> int:
+        """Bring the session's host blocks back to GPU before its call (``PagedKVCache.swap_in``),
+        charged to the engine like any transfer; 0 when they do not fit after all."""
+        try:
+            moved = self.cache.swap_in(sid, now)
+        except OutOfBlocks:
+            return 0
+        self.on_host.pop(sid, None)
+        if moved:
+            self.m.prefetches += 1
+            self.m.prefetched_blocks += moved
+            self.m.swapped_in_blocks += moved
+            self.transfer(moved, now)
+        return moved
 
     def _ready(self, s: Sess, t: float) -> None:
         if s.turn == 0:
@@ -490,6 +512,8 @@ class BatchSim(Sim):
                 self._ready(self.sessions[sid], t)
             elif kind == "step":
                 ran |= self._step_end(t)
+            elif kind == "relook":
+                self.manager.on_relook(sid, t)
             if self._events and self._events[0][0] <= t:
                 continue  # everything that happens at t happens before the engine schedules
             if not self._stepping:
@@ -707,6 +731,9 @@ class Manager:
     def on_idle(self, now: float) -> None:
         """The engine has nothing to run (a transfer now delays no one)."""
 
+    def on_relook(self, sid: SessionId, now: float) -> None:
+        """A time the manager asked for (``Sim.push(t, "relook", sid)``) has come."""
+
     def make_room(self, needed: int, now: float, requester: Sess) -> bool:
         return False
 
@@ -874,9 +901,14 @@ class Ours(Manager):
             elif d.action is CacheAction.RELEASE:
                 cache.release(d.session_id)
             elif d.action is CacheAction.SWAP:
-                sim.swap_out(d.session_id, now)
+                if sim.swap_out(d.session_id, now) and d.ttl_s is not None:
+                    sim.push(now + d.ttl_s, "relook", d.session_id)  # when to consider a prefetch
             elif d.action is CacheAction.DISCARD:
                 sim.discard(d.session_id)
+            elif d.action is CacheAction.PREFETCH:
+                assert d.ttl_s is not None
+                if sim.prefetch(d.session_id, now):
+                    cache.pin(d.session_id, until=now + d.ttl_s)  # held like a PRESERVE until its call
         return cache.num_free_blocks > free_before
 
     def _waiting(self, sids: list[SessionId]) -> list[SessionId]:
@@ -889,8 +921,21 @@ class Ours(Manager):
         self._apply(self._waiting(sids), now, 0, evict_only=False)
 
     def on_idle(self, now: float) -> None:
-        # Offloads deferred while calls waited can run now, when they delay no one.
-        self._apply(self._waiting(self.sim.pinned()), now, 0, evict_only=False)
+        # Offloads deferred while calls waited can run now, when they delay no one; so can prefetches.
+        residents = self._waiting(sorted(self.sim.on_host))
+        self._apply(self._waiting(self.sim.pinned()) + residents, now, 0, evict_only=False)
+
+    def on_relook(self, sid: SessionId, now: float) -> None:
+        # The time its SWAP asked for: inside its prefetch lead, if the prediction holds.
+        if sid not in self.sim.on_host or not self._waiting([sid]):
+            return
+        self._apply([sid], now, 0, evict_only=False)
+        if sid in self.sim.on_host:  # not prefetched: look again while its call is beyond the lead
+            policy, view = self._policy(), self._view(sid)
+            distance = policy.next_reference_s(view, now, Delays(queue_s=self.sim.queue_delay_s))
+            relook = policy.relook_s(view.host_blocks, distance)
+            if relook is not None and distance > policy.lead_s(view.host_blocks):
+                self.sim.push(now + relook, "relook", sid)
 
     def make_room(self, needed: int, now: float, requester: Sess) -> bool:
         pinned = [sid for sid in self.sim.pinned() if sid != requester.sid]
@@ -1053,6 +1098,7 @@ class Row:
     forced: int
     preemptions: int = 0
     mean_batch: float = 1.0  # running calls, averaged over the time the engine computes
+    prefetches: int = 0  # host residents brought back before their call (ours only)
 
 
 ENGINES = ("batch", "serial")
@@ -1095,6 +1141,7 @@ def row(workload: str, load: float, rate: float, capacity: float, blocks: int, p
         forced=m.forced,
         preemptions=m.preemptions,
         mean_batch=m.batch_s / m.busy_s if m.busy_s else 1.0,
+        prefetches=m.prefetches,
     )
 
 
@@ -1141,7 +1188,7 @@ def print_tables(rows: list[Row], out: TextIO | None = None) -> None:
     header = (
         f"{'load':>4} {'cap':>4} {'blocks':>6} {'policy':<13} {'meanJCT':>8} {'p95JCT':>8} "
         f"{'recomp':>9} {'hit':>5} {'swapGB':>7} {'xfer_s':>7} {'idleGBs':>8} {'forced':>6} {'preempt':>7} "
-        f"{'batch':>5}"
+        f"{'batch':>5} {'prefetch':>8}"
     )
     for workload in dict.fromkeys(r.workload for r in rows):
         floor = next(r.floor_jct for r in rows if r.workload == workload)
@@ -1151,7 +1198,7 @@ def print_tables(rows: list[Row], out: TextIO | None = None) -> None:
             print(
                 f"{r.load:>4.1f} {r.capacity:>4.0%} {r.gpu_blocks:>6} {r.policy:<13} {r.mean_jct:>8.2f} "
                 f"{r.p95_jct:>8.2f} {r.recomputed:>9} {r.hit_rate:>5.1%} {r.swap_gb:>7.2f} {r.transfer_s:>7.2f} "
-                f"{r.idle_gb_s:>8.1f} {r.forced:>6} {r.preemptions:>7} {r.mean_batch:>5.1f}",
+                f"{r.idle_gb_s:>8.1f} {r.forced:>6} {r.preemptions:>7} {r.mean_batch:>5.1f} {r.prefetches:>8}",
                 file=out,
             )
     print_goals(rows, out)
@@ -1190,11 +1237,13 @@ def print_goals(rows: list[Row], out: TextIO | None = None) -> None:
             ratio = ours.recomputed / cell["oracle"].recomputed
             recompute_ratios.append(ratio)
             text += f"  recomp/oracle {ratio:.3f}"
+        text += f"  prefetches {ours.prefetches}"
         print(text, file=out)
     print("\n== goals ==", file=out)
     print(
         f"lowest mean JCT of the non-oracle policies: wins {wins}, ties (within 0.1%) {ties}, losses {losses} "
-        f"of {wins + ties + losses} cells",
+        f"of {wins + ties + losses} cells; ours prefetched {sum(r.prefetches for r in rows if r.policy == 'ours')} "
+        "times in all",
         file=out,
     )
     for (workload, load, capacity), cell in _groups(rows).items():
@@ -1250,8 +1299,8 @@ def goals_markdown(rows: list[Row]) -> list[str]:
     """One line per cell: ours against the best non-oracle baseline, vLLM and the oracle's recompute."""
     lines = [
         "| workload | load | capacity | ours mean JCT (s) | best baseline | its mean JCT (s) | best baseline / ours "
-        "| vllm / ours | ours / oracle recomputed tokens | ours preemptions |",
-        "|---" * 10 + "|",
+        "| vllm / ours | ours / oracle recomputed tokens | ours preemptions | ours prefetches |",
+        "|---" * 11 + "|",
     ]
     for (workload, load, capacity), cell in _groups(rows).items():
         if "ours" not in cell:
@@ -1266,7 +1315,7 @@ def goals_markdown(rows: list[Row]) -> list[str]:
         best_jct = f"{others[best]:.2f}" if others else ""
         lines.append(
             f"| {workload} | {load:g} | {capacity:.0%} | {ours.mean_jct:.2f} | {best} | {best_jct} | {vs_best} "
-            f"| {vs_vllm} | {recomputed} | {ours.preemptions} |"
+            f"| {vs_vllm} | {recomputed} | {ours.preemptions} | {ours.prefetches} |"
         )
     return lines
 

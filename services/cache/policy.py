@@ -98,8 +98,13 @@ Blocks freed by this call's own SWAP/DISCARD decisions are not counted as room (
 move only once the decisions are carried out).
 
 **Re-look time of a SWAP.** Every SWAP decision of an unfinished session with a finite
-``D`` carries ``ttl_s = max(0, D - lead_s(b))``: when to decide about it again (then as a
-host resident, for a prefetch). ``None`` when ``D`` is infinite.
+``D`` carries ``ttl_s = relook_s(b, D) = max(0, D - lead_s(b) + prefetch_margin_s / 2)``:
+when to decide about it again (then as a host resident, for a prefetch), aimed at the
+middle of the lead window so that a prediction that holds finds ``D`` within the lead.
+``None`` when ``D`` is infinite. A re-look that does not prefetch asks for the next one
+at ``relook_s(h, D)`` of that moment only while ``D > lead_s(h)`` (then at least half a
+margin later: ``D`` of a call that is late can stop shrinking); within the lead, only
+an idle engine or a new event looks again.
 
 **One session** (``decide_session``): what ``decide`` would decide for that view
 alone when nothing is needed (``needed_blocks`` is ignored; no resident is ever
@@ -340,8 +345,11 @@ class CachePolicy:
         return self.cost.swap_ms(num_blocks) / _MS_PER_S + self.config.prefetch_margin_s
 
     def relook_s(self, num_blocks: int, distance: float) -> float | None:
-        """When to look again at a session swapped out now (``D`` before its call): one lead ahead."""
-        return None if math.isinf(distance) else max(0.0, distance - self.lead_s(num_blocks))
+        """When to look again at a session swapped out now (``D`` before its call): in the middle
+        of its lead window (module docstring)."""
+        if math.isinf(distance):
+            return None
+        return max(0.0, distance - self.lead_s(num_blocks) + self.config.prefetch_margin_s / 2)
 
     def _prefetches(
         self, residents: Iterable[_Resident], now: float, memory: MemoryState, delays: Delays

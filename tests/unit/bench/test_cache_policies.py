@@ -144,16 +144,17 @@ def test_markdown_tables(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_csv_round_trip_and_the_per_cell_goals_table(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    rows = [replace(r, preemptions=i, mean_batch=2.5) for i, r in enumerate(_rows())]
+    rows = [replace(r, preemptions=i, mean_batch=2.5, prefetches=7 * i) for i, r in enumerate(_rows())]
     write_csv(rows, tmp_path / "out.csv")
     assert read_csv(tmp_path / "out.csv") == rows
-    # An older file without the batch engine's columns reads with their defaults.
+    # An older file without the batch engine's and the prefetch columns reads with their defaults.
     old = tmp_path / "old.csv"
     lines = (tmp_path / "out.csv").read_text().splitlines()
-    old.write_text("\n".join(",".join(line.split(",")[:-2]) for line in lines) + "\n")
-    assert read_csv(old) == [replace(r, preemptions=0, mean_batch=1.0) for r in rows]
+    old.write_text("\n".join(",".join(line.split(",")[:-3]) for line in lines) + "\n")
+    assert read_csv(old) == [replace(r, preemptions=0, mean_batch=1.0, prefetches=0) for r in rows]
     write_markdown(rows, tmp_path / "t.md")
     text = (tmp_path / "t.md").read_text()
-    # ours 2.0 s, best baseline kvflow 2.2 s, vllm 2.4 s, recomputed 6 vs the oracle's 5, 2 preemptions
-    assert "| infercept | 0.5 | 50% | 2.00 | kvflow | 2.20 | 1.100x | 1.200x | 1.200 | 2 |" in text
+    # ours 2.0 s, best baseline kvflow 2.2 s, vllm 2.4 s, recomputed 6 vs the oracle's 5, 2 preemptions,
+    # 14 prefetches
+    assert "| infercept | 0.5 | 50% | 2.00 | kvflow | 2.20 | 1.100x | 1.200x | 1.200 | 2 | 14 |" in text
     assert "| 0.5 | 50% | 10 | 0 | 1 | 2 | 3 |" in text  # preemptions per policy

@@ -264,9 +264,9 @@ def test_offloads_wait_while_calls_are_queued() -> None:
     idle = MemoryState(gpu_total_blocks=100, gpu_free_blocks=30, host_free_blocks=10)
     busy = MemoryState(gpu_total_blocks=100, gpu_free_blocks=30, host_free_blocks=10, queued_calls=2)
     now = p.decide_session(b, 1.0, idle)
-    # Its re-look time: one prefetch lead (the swap-in plus the 1 s margin) before its call.
+    # Its re-look time: in the middle of its prefetch lead (the swap-in plus the 1 s margin).
     assert now is not None and now.action is CacheAction.SWAP
-    assert now.ttl_s == pytest.approx(60.0 - p.cost.swap_ms(10) / 1000 - 1.0)
+    assert now.ttl_s == pytest.approx(60.0 - p.cost.swap_ms(10) / 1000 - 0.5)
     later = p.decide_session(b, 1.0, busy)
     assert later is not None and (later.action, later.ttl_s) == (CacheAction.PRESERVE, 1.0)
     assert "deferred: 2 calls wait" in later.reason
@@ -397,8 +397,10 @@ def test_a_swap_says_when_to_look_again_for_a_prefetch() -> None:
     p = _policy()
     memory = MemoryState(gpu_total_blocks=100, gpu_free_blocks=10, host_free_blocks=15, needed_blocks=25)
     swapped = [d for d in p.decide(_views(), 1.0, memory) if d.action is CacheAction.SWAP]
-    # b (the human, 60 s away) swapped under the deficit: looked at again one lead before its call.
-    assert [(d.session_id, d.ttl_s) for d in swapped] == [("b", pytest.approx(60.0 - p.lead_s(10)))]
-    assert swapped[0].to_event("e0").ttl_ms == round((60.0 - p.lead_s(10)) * 1000)
-    # A session that returns within the lead is looked at again at once.
+    # b (the human, 60 s away) swapped under the deficit: looked at again when its call is half a
+    # margin inside the lead.
+    relook = 60.0 - p.lead_s(10) + 0.5
+    assert [(d.session_id, d.ttl_s) for d in swapped] == [("b", pytest.approx(relook))]
+    assert swapped[0].to_event("e0").ttl_ms == round(relook * 1000)
+    # A session that returns within half a margin of the lead is looked at again at once.
     assert p.relook_s(10, 0.5) == 0.0 and p.relook_s(10, math.inf) is None
