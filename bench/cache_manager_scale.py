@@ -341,7 +341,7 @@ async def run_consume(bootstrap: str, namespace: str, num_events: int, max_recor
 
 
 class _TimedWorker(CacheManagerWorker):
-    """Times the worker from its first event to its num_events-th, then stops it."""
+    """Times the worker from its first event until the decisions of its num_events-th have landed, then stops it."""
 
     target = 0
     first: float | None = None
@@ -349,14 +349,23 @@ class _TimedWorker(CacheManagerWorker):
     first_cpu = 0.0
     last_cpu = 0.0
 
+    reached = False
+
     def process(self, events: Sequence[LoggedEvent], received: float) -> tuple[list[Draft], list[float]]:
         if events and self.first is None:
             self.first, self.first_cpu = received, time.process_time()
         result = super().process(events, received)
-        if self.stats.num_events >= self.target and self.last is None:
-            self.last, self.last_cpu = time.perf_counter(), time.process_time()
+        if self.stats.num_events >= self.target and not self.reached:
+            self.reached = True
             self.shutdown()
         return result
+
+    async def _flush_appends(self) -> None:
+        # The clock stops when the decisions of the events counted have landed (the first
+        # flush after the target: a commit's or the one at stop), not when they are folded.
+        await super()._flush_appends()
+        if self.reached and self.last is None:
+            self.last, self.last_cpu = time.perf_counter(), time.process_time()
 
 
 async def run_worker(bootstrap: str, namespace: str, config: ManagerConfig, num_events: int, max_records: int) -> Row:
@@ -367,8 +376,7 @@ async def run_worker(bootstrap: str, namespace: str, config: ManagerConfig, num_
         frozen()
         await worker.run()
         assert worker.first is not None and worker.last is not None
-        # the last poll's append is part of the work
-        end = max(worker.last, worker.first)
+        end = max(worker.last, worker.first)  # the appends of the decisions are part of the work
         return Row(f"Kafka worker (poll {max_records}, append)", stats.num_events, end - worker.first,
                    stats.num_decisions, worker.last_cpu - worker.first_cpu, stats.decide_s, stats.decide_cpu_s,
                    stats.ready_s, stats.appended_s)  # fmt: skip
