@@ -46,9 +46,17 @@ events after a restart appends nothing twice):
   competes like the others; its eviction is a second decision of the same trigger, kind
   ``pressure``). Decisions reach the engine through the log, after the planner has sent
   the call: room has to be kept ahead of the call, not made when it starts.
-- ``ttl``: when the log's time passes a PRESERVE's TTL end, that session is decided
-  again, as of the time of the event that passed it (the trigger is the PRESERVE
-  decision's event id).
+- ``ttl``: when the log's time passes a PRESERVE's (or a PREFETCH's) TTL end, that
+  session is decided again, as of the time of the event that passed it (the trigger is
+  the PRESERVE decision's event id).
+- ``relook``: a SWAP carries the time to look again (``ttl_s``, see ``CachePolicy.relook_s``);
+  when the log's time passes it and the session is still swapped, the policy decides
+  for it as a host resident (its host blocks: what the host is charged for it), leaving
+  ``headroom`` free: PREFETCH (the trigger is the SWAP decision's event id) or nothing;
+  while its call is still beyond the prefetch lead, it asks for the next look
+  (``relook_s`` of that moment). A PREFETCH pins like a PRESERVE with its TTL; the
+  session is charged the prefetched blocks until kv.events show them on the GPU.
+  The manager passes no queue length (``queued_calls = 0``, as for offloads).
 
 **Time** is the largest event time seen (a watermark): TTL ends fire, in order of (end,
 session id), before the first event at or after them is folded. Without events, no
@@ -180,7 +188,7 @@ _HOLD_OF: dict[CacheAction, Hold] = {
     CacheAction.SWAP: Hold.SWAPPED,
     CacheAction.RELEASE: Hold.RELEASED,
     CacheAction.DISCARD: Hold.DISCARDED,
-    CacheAction.PREFETCH: Hold.NONE,
+    CacheAction.PREFETCH: Hold.PINNED,  # held with its TTL until its call, like a PRESERVE
 }
 
 
@@ -190,7 +198,7 @@ class Decided:
 
     event_id: str
     trigger_id: str
-    kind: str  # gap, end, pressure, ttl
+    kind: str  # gap, end, pressure, ttl, relook
     at: float
     decision: CacheDecision
 
@@ -226,6 +234,8 @@ class _Session:
     reported_call: str = ""  # the last LLM call the engine's KV events reported (KVCacheHit)
     floor: int = 0  # blocks of the context its last call left on the GPU, until the engine removes some
     pin_id: str = ""  # event id of the PRESERVE decision (the trigger of its TTL end)
+    swap_id: str = ""  # event id of the SWAP decision (the trigger of its re-looks)
+    prefetched: int = 0  # blocks its PREFETCH brings back: charged until kv.events show them
 
 
 @dataclass(slots=True)
@@ -243,6 +253,7 @@ class CacheManager:
     _sessions: dict[SessionId, _Session] = field(default_factory=dict)
     _candidates: list[tuple[float, SessionId, int]] = field(default_factory=list)  # (score, sid, version)
     _expiries: list[tuple[float, SessionId, int]] = field(default_factory=list)  # (ttl end, sid, version)
+    _relooks: list[tuple[float, SessionId, int]] = field(default_factory=list)  # (re-look time, sid, version)
     _num_pinned: int = 0
     _max_need: int = 0
     # Forgotten sessions -> the manager time they were forgotten at (insertion order is time order).
@@ -429,9 +440,16 @@ class CacheManager:
         sid = d.session_id
         if d.action is CacheAction.SWAP:
             s.host_reserved = d.num_blocks
+        elif d.action is CacheAction.PREFETCH:
+            s.host_reserved = 0
+        s.prefetched = d.num_blocks if d.action is CacheAction.PREFETCH else 0
         self._set_hold(sid, s, _HOLD_OF[d.action])
-        if d.action is CacheAction.PRESERVE:
-            assert d.ttl_s is not None  # the policy gives every PRESERVE a TTL
+        if d.action is CacheAction.SWAP and d.ttl_s is not None:
+            s.swap_id = decided.event_id
+            heapq.heappush(self._relooks, (decided.at + d.ttl_s, sid, s.version))
+            self._compact()
+        if d.action in (CacheAction.PRESERVE, CacheAction.PREFETCH):
+            assert d.ttl_s is not None  # the policy gives every PRESERVE and PREFETCH a TTL
             s.pin_id = decided.event_id
             heapq.heappush(self._candidates, (d.score, sid, s.version))
             heapq.heappush(self._expiries, (decided.at + d.ttl_s, sid, s.version))
@@ -452,21 +470,25 @@ class CacheManager:
                 action, reason = CacheAction.SWAP, "memory pressure: swap-in is cheaper than recompute"
             else:
                 action, reason = CacheAction.RELEASE, "memory pressure: no host room or recompute is cheaper"
-            decision = CacheDecision(
-                sid,
-                action,
-                self.policy.score(view, now, host_free, delays),
-                self.policy.next_reference_s(view, now, delays),
-                view.gpu_blocks,
-                reason=reason,
-            )
+            distance = self.policy.next_reference_s(view, now, delays)
+            relook = self.policy.relook_s(view.gpu_blocks, distance) if action is CacheAction.SWAP else None
+            score = self.policy.score(view, now, host_free, delays)
+            decision = CacheDecision(sid, action, score, distance, view.gpu_blocks, relook, reason)
             self._record(
                 Decided(decision_event_id(trigger_id, "pressure", sid), trigger_id, "pressure", now, decision), s, out
             )
 
     def _expire(self, until: float, out: list[Decided]) -> None:
-        """Decide again for every pinned session whose TTL ends at or before ``until``."""
-        while self._expiries and self._expiries[0][0] <= until:
+        """Decide again for every pinned session whose TTL ends at or before ``until``, and for
+        every swapped one whose re-look time has come (in time order; TTLs first on a tie)."""
+        while True:
+            ttl_end = self._expiries[0][0] if self._expiries else math.inf
+            relook = self._relooks[0][0] if self._relooks else math.inf
+            if min(ttl_end, relook) > until:
+                return
+            if relook < ttl_end:
+                self._relook(until, out)
+                continue
             _, sid, version = heapq.heappop(self._expiries)
             s = self._sessions.get(sid)
             if s is None or s.version != version or s.hold is not Hold.PINNED:
@@ -479,6 +501,28 @@ class CacheManager:
                 trigger = s.pin_id
                 self._record(Decided(decision_event_id(trigger, "ttl", sid), trigger, "ttl", until, decision), s, out)
                 self._keep_headroom(trigger, until, out)
+
+    def _relook(self, until: float, out: list[Decided]) -> None:
+        """The earliest re-look of a SWAP: PREFETCH the session, or ask for the next look."""
+        _, sid, version = heapq.heappop(self._relooks)
+        s = self._sessions.get(sid)
+        if s is None or s.version != version or s.hold is not Hold.SWAPPED or s.host_charged <= 0:
+            return
+        v = self.view(sid)
+        # As a host resident, whatever kv.events have reported of the move so far.
+        resident = SessionView(sid, v.phase, v.since, v.tool, v.tool_started_at, v.context_tokens, 0,
+                               s.host_charged, v.turns, v.attained_service_s)  # fmt: skip
+        memory = self.memory(needed_blocks=self.headroom)
+        delays = self.delays()
+        decision = self.policy.decide_session(resident, until, memory, delays)
+        if decision is not None:
+            trigger = s.swap_id
+            self._record(Decided(decision_event_id(trigger, "relook", sid), trigger, "relook", until, decision), s, out)
+            return
+        distance = self.policy.next_reference_s(resident, until, delays)
+        again = self.policy.relook_s(resident.host_blocks, distance)
+        if again is not None and distance > self.policy.lead_s(resident.host_blocks):
+            heapq.heappush(self._relooks, (until + again, sid, version))
 
     # ------------------------------------------------------------------ memory
 
@@ -495,7 +539,7 @@ class CacheManager:
         if hold is Hold.ACTIVE:
             charged = max(s.need, self.view(sid).gpu_blocks)
         elif hold is Hold.PINNED:
-            charged = self.view(sid).gpu_blocks
+            charged = max(s.prefetched, self.view(sid).gpu_blocks)
         else:
             charged = 0
         self.gpu_used += charged - s.charged
@@ -515,7 +559,11 @@ class CacheManager:
                 live = [e for e in heap if self._is_live(e)]
                 heapq.heapify(live)
                 heap[:] = live
+        if len(self._relooks) > 2 * len(self._sessions) + 64:
+            looks = [e for e in self._relooks if self._is_live(e, Hold.SWAPPED)]
+            heapq.heapify(looks)
+            self._relooks[:] = looks
 
-    def _is_live(self, entry: tuple[float, SessionId, int]) -> bool:
+    def _is_live(self, entry: tuple[float, SessionId, int], hold: Hold = Hold.PINNED) -> bool:
         s = self._sessions.get(entry[1])
-        return s is not None and s.version == entry[2] and s.hold is Hold.PINNED
+        return s is not None and s.version == entry[2] and s.hold is hold

@@ -107,9 +107,10 @@ margin later: ``D`` of a call that is late can stop shrinking); within the lead,
 an idle engine or a new event looks again.
 
 **One session** (``decide_session``): what ``decide`` would decide for that view
-alone when nothing is needed (``needed_blocks`` is ignored; no resident is ever
-displaced without a deficit): rules 1, 3 and 4 with the memory given for a GPU
-candidate, the prefetch rule for a host resident; None when the view is neither or
+alone when nothing is needed (``needed_blocks`` is ignored for a GPU candidate; no
+resident is ever displaced without a deficit): rules 1, 3 and 4 with the memory given
+for a GPU candidate, the prefetch rule for a host resident (whose room leaves
+``needed_blocks`` free: a manager passes its headroom); None when the view is neither or
 nothing is to be done. ``decide_session(v, ...) == (decide([v], ...) or [None])[0]``
 whenever ``needed_blocks <= gpu_free_blocks``. It is O(1), for per-event managers.
 """

@@ -282,3 +282,70 @@ def test_the_host_is_charged_what_kv_events_put_there_whoever_decided_it() -> No
     decided = feed.llm("d", 3.0, 944)
     # c (10 blocks) no longer fits in the 9 host blocks left: both are released
     assert actions(decided) == [("c", CacheAction.RELEASE, "pressure"), ("a", CacheAction.RELEASE, "pressure")]
+
+
+def _swapped_c(feed: Feed) -> Decided:
+    """a, b, c pinned; c's tool (search: 20 runs of 6 s seen) starts at 2.3; d's call at 3.0
+    swaps c (10 blocks) out to the host and releases a. Returns c's SWAP."""
+    for _ in range(20):
+        feed.manager.policy.latency.observe("search", 6.0)
+    for sid, at, prompt in (("a", 0.0, 304), ("b", 1.0, 624), ("c", 2.0, 144)):
+        feed.pinned(sid, at, prompt)
+    feed.send("c", ev.ToolCallStarted(call_id="t2.2", tool="search", idempotency_key="k", attempt=1), 2.3)
+    swap, release = feed.llm("d", 3.0, 944)
+    assert actions([swap, release]) == [("c", CacheAction.SWAP, "pressure"), ("a", CacheAction.RELEASE, "pressure")]
+    feed.done("d", 3.1, 944)
+    return swap
+
+
+def test_a_swapped_session_is_prefetched_when_its_relook_time_passes() -> None:
+    feed = Feed(gpu=100, host=15)
+    swap = _swapped_c(feed)
+    policy = feed.manager.policy
+    # The SWAP says when to look again: half a margin inside the lead of c's predicted call.
+    assert swap.decision.ttl_s == pytest.approx(policy.relook_s(10, swap.decision.next_reference_s))
+    relook_at = 3.0 + (swap.decision.ttl_s or 0.0)
+    assert 7.0 < relook_at < 8.0
+    assert feed.turn("e", 5.0, 10) == []  # before the re-look: nothing
+    decided = feed.llm("e", relook_at + 0.1, 10)  # the first event past it
+    (prefetch,) = decided
+    assert (prefetch.kind, prefetch.trigger_id, prefetch.at) == ("relook", swap.event_id, relook_at + 0.1)
+    assert prefetch.event_id == decision_event_id(swap.event_id, "relook", "c")
+    d = prefetch.decision
+    assert (d.action, d.num_blocks) == (CacheAction.PREFETCH, 10)
+    assert d.next_reference_s <= policy.lead_s(10)
+    assert d.ttl_s == pytest.approx(max(1.0, 2 * d.next_reference_s))
+    # Held like a PRESERVE: pinned, charged its 10 blocks (b's 40 and e's call too), off the host.
+    assert feed.manager.hold(SessionId("c")) is Hold.PINNED
+    assert (feed.manager.gpu_used, feed.manager.host_used) == (40 + 10 + 2, 0)
+    # Its TTL end re-decides it like any pin.
+    (again,) = feed.done("e", relook_at + 0.2 + d.ttl_s, 10)
+    assert (again.session_id, again.kind, again.trigger_id) == ("c", "ttl", prefetch.event_id)
+
+
+def test_a_relook_beyond_the_lead_asks_for_the_next_one() -> None:
+    feed = Feed(gpu=100, host=15)
+    swap = _swapped_c(feed)
+    relook_at = 3.0 + (swap.decision.ttl_s or 0.0)
+    # c's tool runs longer than every run seen: the estimate falls back to the prior (5 s), beyond
+    # the lead: no prefetch; the next look is asked for 4.5 s (less the transfer) later.
+    assert feed.turn("e", 9.0, 10) == []
+    assert relook_at < 9.0 and feed.manager.hold(SessionId("c")) is Hold.SWAPPED
+    completed = ev.ToolCallCompleted(call_id="t2.2", result_json="{}", result_tokens=0, duration_ms=7700.0)
+    assert feed.send("c", completed, 10.0) == []  # its next call is imminent now, but no one looks yet
+    assert feed.turn("e", 13.0, 10) == []  # 9.0 + 4.49: not yet
+    ttl_b, prefetch = feed.llm("e", 13.6, 10)  # b's TTL (ends at 13.2) first, in time order
+    assert (ttl_b.session_id, ttl_b.kind) == ("b", "ttl")
+    assert (prefetch.session_id, prefetch.decision.action, prefetch.kind) == ("c", CacheAction.PREFETCH, "relook")
+    assert prefetch.decision.ttl_s == 1.0  # D = the queueing delay (0): the minimum TTL
+
+
+def test_a_swapped_session_stays_on_the_host_when_the_gpu_has_no_room_at_its_relook() -> None:
+    feed = Feed(gpu=100, host=15)
+    swap = _swapped_c(feed)
+    relook_at = 3.0 + (swap.decision.ttl_s or 0.0)
+    assert feed.llm("e", 7.0, 864) == []  # 55 blocks: with b's 40 pinned, 5 are left
+    assert feed.done("e", relook_at + 0.1, 864) == []  # the re-look (before e's end): no room for 10
+    assert feed.manager.hold(SessionId("c")) is Hold.SWAPPED
+    # Its call is within the lead now: no later re-look is asked for (it returns on its own call).
+    assert feed.turn("f", relook_at + 5.0, 10) == [] and feed.manager.hold(SessionId("c")) is Hold.SWAPPED
