@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import time
 import uuid
@@ -43,7 +42,7 @@ from workers.planner import PlannerWorker
 from workers.replay import take_checkpoint
 from workers.runtime import SessionWorker
 
-from .replay_snapshots import step_drafts
+from .replay_snapshots import default_pg, step_drafts
 
 ROLES = ("planner", "decider", "executor")
 
@@ -138,14 +137,6 @@ async def measure(log_url: str, snapshot_url: str, args: argparse.Namespace, fin
         await store.close()
         for log in logs.values():
             await log.close()
-
-
-def default_pg() -> str:
-    if url := os.environ.get("AGENTLOG_PG_URL"):
-        return url
-    from log.embedded import start_embedded
-
-    return start_embedded()
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ from log import topics as topic_table
 from log.backend import Subscription
 from log.chain import ChainVerifier
 from log.errors import RecordError
-from log.types import ConsumerStats, LoggedEvent, Position
+from log.types import ConsumerStats, LoggedEvent, Position, RawRecord
 from schemas.envelope import Envelope
 from schemas.events import KVAllBlocksCleared
 
@@ -319,12 +319,7 @@ class EventConsumer:
         for record in await self.log.backend.read_key(name, partition, session_id.encode()):
             if record.position.offset >= offset:
                 break
-            self.reads.rebuilt += 1
-            try:
-                envelope = self.log.codec.decode(record.value)
-                self._verifier.verify(topic, record.key, envelope, record.position)
-            except RecordError:
-                continue  # it was dead-lettered when it was first read
+            self._reverify(topic, record)
         self.rebuilt.add((name, session_id))
 
     async def commit(self, through: LoggedEvent | None = None) -> None:
@@ -353,9 +348,13 @@ class EventConsumer:
         topic = topic_table.topic(name)
         self._verifier.forget(name, lambda session: self.log.partition_for(session) == partition)
         async for record in self.log.backend.scan(name, partition, 0, offset):
-            self.reads.rebuilt += 1
-            try:
-                envelope = self.log.codec.decode(record.value)
-                self._verifier.verify(topic, record.key, envelope, record.position)
-            except RecordError:
-                continue  # it was dead-lettered when it was first read
+            self._reverify(topic, record)
+
+    def _reverify(self, topic: topic_table.Topic, record: RawRecord) -> None:
+        """Check a record read again to rebuild a chain (it advances the chain's tail)."""
+        self.reads.rebuilt += 1
+        try:
+            envelope = self.log.codec.decode(record.value)
+            self._verifier.verify(topic, record.key, envelope, record.position)
+        except RecordError:
+            pass  # it was dead-lettered when it was first read
