@@ -34,10 +34,11 @@ A varint here is Avro's: zig-zag, then little-endian base 128. The first seven
 fields and the hash are coded by hand below; the body, whose shape varies, is
 left to fastavro. Decoding reads the seven in one pass (``_quick_head``) when every
 length fits in one byte, as in every record written here, and field by field
-(``_checked_head``, fastavro's errors in fastavro's order) otherwise. ``Codec()`` checks that the envelope schema has exactly this
-layout and that the body union lists ``schemas.events.EVENT_TYPES`` in order,
-and refuses to start otherwise, so a schema change cannot silently diverge from
-the hand-written part. ``tests/unit/log/test_codec_fast_path.py`` checks the
+(``_checked_head``, fastavro's errors in fastavro's order) otherwise.
+``Codec()`` checks that the envelope schema has exactly this layout and that
+the body union lists ``schemas.events.EVENT_TYPES`` in order, and refuses to
+start otherwise, so a schema change cannot silently diverge from the
+hand-written part. ``tests/unit/log/test_codec_fast_path.py`` checks the
 equivalence byte for byte against fastavro's generic writer and reader.
 
 A body is handed to fastavro as its own ``__dict__`` when that equals its
