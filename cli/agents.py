@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -77,6 +78,11 @@ def up(
         typer.echo(f"{name:<10} pid {process.pid:<7} log {process.log_path}")
     typer.echo(f"engine     {stack.engine_url}")
     typer.echo("running; Ctrl-C to stop")
+    # Ctrl-C and a process manager's SIGTERM both stop the stack gracefully; set explicitly,
+    # because a shell that starts us in the background leaves SIGINT ignored, and Python's
+    # default SIGTERM would end this process and orphan every worker.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     try:
         while all(p.alive() for p in stack.processes.values()):
             time.sleep(0.5)
@@ -86,6 +92,10 @@ def up(
         pass
     codes = stack.stop()
     typer.echo("stopped: " + ", ".join(f"{n}={c}" for n, c in codes.items()))
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def run(

@@ -77,7 +77,8 @@ def test_up_with_the_cache_manager_runs_sessions_and_stops_cleanly(pg_url: str, 
         events, decisions = counts
         assert events >= 6 and decisions >= 3, counts
     finally:
-        up.send_signal(signal.SIGINT)
+        # SIGTERM (a process manager's stop), not only Ctrl-C, drains every process before exiting.
+        up.send_signal(signal.SIGTERM)
         out, _ = up.communicate(timeout=60)
     assert up.returncode == 0, out
     stopped = out.strip().splitlines()[-1]
