@@ -248,6 +248,19 @@ def test_decisions_steer_the_engine_cache(rig: Rig) -> None:
     assert reply["agentlog"]["swapped_in_blocks"] == 4
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK  # not recomputed
 
+    # Prefetch: swapped blocks come back before the call and are held like a PRESERVE, so the
+    # competing load does not evict them and the call swaps nothing in.
+    rig.call("fetched", 0, 4 * BLOCK)
+    rig.decide("fetched", CacheAction.SWAP)
+    rig.wait_for(lambda: rig.get("/stats")["host_free_blocks"] == 4, "the swap before the prefetch")
+    rig.decide("fetched", CacheAction.PREFETCH, ttl_ms=600_000)
+    rig.wait_for(lambda: "fetched" in rig.get("/stats")["pinned_sessions"], "the prefetch")
+    assert rig.get("/stats")["host_free_blocks"] == 8
+    compete("c4")
+    reply = rig.call("fetched", 1, 5 * BLOCK)
+    assert reply["agentlog"]["swapped_in_blocks"] == 0
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK
+
     # A swap with no host room is refused and changes nothing; the bridge goes on.
     rig.call("big", 0, 10 * BLOCK)
     rig.decide("big", CacheAction.SWAP)

@@ -20,10 +20,11 @@ means the ones in between are gone.
 session's blocks until ``ttl_ms`` of log time from now (log time is wall-clock time;
 the engine divides it by ``--time-scale``), ``RELEASE`` unpins them (they stay cached,
 LRU-evictable), ``DISCARD`` uncaches them, ``SWAP`` moves them to the host tier,
-``PREFETCH`` brings them back. Answers ``{"applied": true, "blocks": n}``, or status
-409 with ``{"applied": false, "reason"}`` when the cache refuses (no host room, the
-session is in a call). Without any control the engine is the vLLM-like baseline:
-blocks are freed when each call ends and reused LRU.
+``PREFETCH`` brings them back and pins them like a ``PRESERVE``. Answers
+``{"applied": true, "blocks": n}``, or status 409 with ``{"applied": false, "reason"}``
+when the cache refuses (no host room, the session is in a call). Without any control
+the engine is the vLLM-like baseline: blocks are freed when each call ends and reused
+LRU.
 
 **Pressure valve.** A call that does not fit releases the pin the cache manager ranked
 lowest (the PRESERVE's ``score``), then the next, until it fits
@@ -301,8 +302,10 @@ class SimServer:
                     blocks = counts.gpu + counts.host
                 elif action is CacheAction.SWAP:
                     blocks = cache.swap_out(session_id)
-                else:
+                else:  # PREFETCH: back to GPU, then held like a PRESERVE (the manager counts it pinned)
                     blocks = cache.swap_in(session_id, now)
+                    cache.pin(session_id, None if ttl_s is None else now + ttl_s / max(self.time_scale, 1e-9))
+                    self.pin_scores[session_id] = score
             except KVCacheError as e:
                 self._publish(cache.drain_events())
                 return web.json_response({"applied": False, "reason": f"{type(e).__name__}: {e}"}, status=409)
