@@ -242,19 +242,29 @@ class Sim:
         heapq.heappush(self._events, (t, self._seq, kind, sid))
         self._seq += 1
 
-    def run(self) -> Metrics:
+    def _arrivals(self) -> None:
         for s in self.sessions.values():
             s.ready_at = s.trace.arrival_s
             self.push(s.trace.arrival_s, "ready", s.sid)
+
+    def _advance(self, t: float) -> None:
+        """Move the clock to ``t``: charge the idle sessions' memory-time, end the TTLs due."""
+        self.m.idle_block_s += self._idle_blocks() * (t - self._last_t)
+        self._last_t = t
+        expired = self.cache.expire(t)
+        if expired:
+            self.manager.on_expire(expired, t)
+
+    def _idle_blocks(self) -> int:
+        """GPU memory held by idle sessions: neither free nor the running call's. (Not clamped
+        at 0 here, unlike the batching engine: kept as the published serial results measured it.)"""
+        return self.cache.num_gpu_blocks - self.cache.num_free_blocks - self._running_blocks
+
+    def run(self) -> Metrics:
+        self._arrivals()
         while self._events:
             t, _, kind, sid = heapq.heappop(self._events)
-            # GPU memory held by idle sessions: neither free nor the running call's.
-            held = self.cache.num_gpu_blocks - self.cache.num_free_blocks - self._running_blocks
-            self.m.idle_block_s += held * (t - self._last_t)
-            self._last_t = t
-            expired = self.cache.expire(t)
-            if expired:
-                self.manager.on_expire(expired, t)
+            self._advance(t)
             if kind == "ready":
                 self._ready(self.sessions[sid], t)
             elif kind == "done":
@@ -495,19 +505,15 @@ class BatchSim(Sim):
         self._chunk_batch = 0
         self._resume: dict[SessionId, int] = {}  # preempted session -> tokens its call generated so far
 
+    def _idle_blocks(self) -> int:
+        return max(0, super()._idle_blocks())
+
     def run(self) -> Metrics:
-        for s in self.sessions.values():
-            s.ready_at = s.trace.arrival_s
-            self.push(s.trace.arrival_s, "ready", s.sid)
+        self._arrivals()
         ran = False  # a chunk with calls ended at this time (then an engine left idle calls on_idle)
         while self._events:
             t, _, kind, sid = heapq.heappop(self._events)
-            held = self.cache.num_gpu_blocks - self.cache.num_free_blocks - self._running_blocks
-            self.m.idle_block_s += max(0, held) * (t - self._last_t)
-            self._last_t = t
-            expired = self.cache.expire(t)
-            if expired:
-                self.manager.on_expire(expired, t)
+            self._advance(t)
             if kind == "ready":
                 self._ready(self.sessions[sid], t)
             elif kind == "step":
