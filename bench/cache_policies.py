@@ -256,9 +256,11 @@ class Sim:
             self.manager.on_expire(expired, t)
 
     def _idle_blocks(self) -> int:
-        """GPU memory held by idle sessions: neither free nor the running call's. (Not clamped
-        at 0 here, unlike the batching engine: kept as the published serial results measured it.)"""
-        return self.cache.num_gpu_blocks - self.cache.num_free_blocks - self._running_blocks
+        """GPU memory held by idle sessions: neither free nor the running calls'. Clamped at 0 on
+        both engines, because ``_running_blocks`` can exceed the blocks in use: the batching engine
+        counts a prefix that running calls share once per call, and on the serial engine a running
+        call's pin can end (its TTL) before the call does, freeing blocks it counts until then."""
+        return max(0, self.cache.num_gpu_blocks - self.cache.num_free_blocks - self._running_blocks)
 
     def run(self) -> Metrics:
         self._arrivals()
@@ -504,9 +506,6 @@ class BatchSim(Sim):
         self._chunk_started = 0.0
         self._chunk_batch = 0
         self._resume: dict[SessionId, int] = {}  # preempted session -> tokens its call generated so far
-
-    def _idle_blocks(self) -> int:
-        return max(0, super()._idle_blocks())
 
     def run(self) -> Metrics:
         self._arrivals()

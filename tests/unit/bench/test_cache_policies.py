@@ -10,6 +10,7 @@ import pytest
 
 from bench.cache_policies import (
     POLICIES,
+    BatchSim,
     Row,
     Sim,
     cap_context,
@@ -26,6 +27,7 @@ from bench.cache_policies import (
     write_markdown,
     write_png,
 )
+from schemas.events import SessionId
 from services.engine.cost import CostModel
 from services.traces.model import Trace, TraceSession, TraceTurn
 from services.traces.synthetic import synthetic
@@ -76,6 +78,24 @@ def test_swap_out_and_swap_in_are_both_charged_to_the_engine() -> None:
     bare = Sim(trace, make_manager("oracle"), gpu_blocks=40, host_blocks=0, cost=cost).run()
     assert (bare.transfer_s, bare.swapped_out_blocks) == (0.0, 0)
     assert bare.computed_tokens > m.computed_tokens
+
+
+@pytest.mark.parametrize("engine", [Sim, BatchSim])
+def test_idle_memory_time_counts_only_idle_sessions_when_a_pin_ends_during_its_call(engine: type[Sim]) -> None:
+    cost = CostModel()
+    # a's first call (160 + 16 tokens) ends at ~0.18 s and caches 10 full blocks, which the
+    # 2 s TTL pins until ~2.18 s; its tool returns after 1.0 s, so its second call (30 blocks,
+    # 300 tokens, ~3 s) starts while the pin holds and outlives it. b arrives at 2.5 s, after
+    # the pin ended, and waits (serial) or runs beside a (batching). The only idle memory is
+    # a's 10 blocks during its tool: on the serial engine the ended pin freed a's blocks while
+    # its call still counted them, and the unclamped count charged -30 blocks until a ended.
+    a = TraceSession("a", "test", 0.0, (TraceTurn(160, 16, "t", 1.0, 0), TraceTurn(16, 300)))
+    b = TraceSession("b", "test", 2.5, (TraceTurn(16, 1),))
+    sim = engine(Trace((a, b)), make_manager("continuum-2s"), gpu_blocks=64, host_blocks=0, cost=cost)
+    m = sim.run()
+    a_end = sim.sessions[SessionId("a")].finished_at
+    assert a_end is not None and a_end > 2.5  # a's call outlived its pin and b's arrival
+    assert m.idle_block_s == pytest.approx(10 * 1.0)
 
 
 def test_cap_context_ends_sessions_at_the_window() -> None:
