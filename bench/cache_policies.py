@@ -253,13 +253,19 @@ class Sim:
         self._last_t = t
         expired = self.cache.expire(t)
         if expired:
+            self._pins_ended(expired)
             self.manager.on_expire(expired, t)
+
+    def _pins_ended(self, sids: list[SessionId]) -> None:
+        """The running call's pin can end (its TTL) before the call does. This engine freed the
+        call's own blocks at its start, so the pinned ones it counted are free now, not the call's."""
+        if any(self.sessions[sid].phase is Phase.LLM for sid in sids):
+            self._running_blocks = 0
 
     def _idle_blocks(self) -> int:
         """GPU memory held by idle sessions: neither free nor the running calls'. Clamped at 0 on
-        both engines, because ``_running_blocks`` can exceed the blocks in use: the batching engine
-        counts a prefix that running calls share once per call, and on the serial engine a running
-        call's pin can end (its TTL) before the call does, freeing blocks it counts until then."""
+        both engines: the batching engine counts a prefix that running calls share once per call,
+        so its ``_running_blocks`` can exceed the blocks in use."""
         return max(0, self.cache.num_gpu_blocks - self.cache.num_free_blocks - self._running_blocks)
 
     def run(self) -> Metrics:
@@ -506,6 +512,9 @@ class BatchSim(Sim):
         self._chunk_started = 0.0
         self._chunk_batch = 0
         self._resume: dict[SessionId, int] = {}  # preempted session -> tokens its call generated so far
+
+    def _pins_ended(self, sids: list[SessionId]) -> None:
+        """Nothing to do: a running call holds its blocks in its block table whatever its pin does."""
 
     def run(self) -> Metrics:
         self._arrivals()

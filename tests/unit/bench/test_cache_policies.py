@@ -11,7 +11,9 @@ import pytest
 from bench.cache_policies import (
     POLICIES,
     BatchSim,
+    Manager,
     Row,
+    Sess,
     Sim,
     cap_context,
     floor_jct,
@@ -29,7 +31,7 @@ from bench.cache_policies import (
 )
 from schemas.events import SessionId
 from services.engine.cost import CostModel
-from services.traces.model import Trace, TraceSession, TraceTurn
+from services.traces.model import SharedPrefix, Trace, TraceSession, TraceTurn
 from services.traces.synthetic import synthetic
 
 
@@ -80,22 +82,49 @@ def test_swap_out_and_swap_in_are_both_charged_to_the_engine() -> None:
     assert bare.computed_tokens > m.computed_tokens
 
 
+class _PinsFor(Manager):
+    """Pins a session at the start of each gap for its own TTL (None: until released)."""
+
+    name = "pins-for"
+
+    def __init__(self, ttl_s: dict[str, float | None]) -> None:
+        self.ttl_s = ttl_s
+
+    def on_gap(self, s: Sess, now: float) -> None:
+        ttl = self.ttl_s[s.sid]
+        self.sim.cache.pin(s.sid, until=None if ttl is None else now + ttl)
+
+
 @pytest.mark.parametrize("engine", [Sim, BatchSim])
-def test_idle_memory_time_counts_only_idle_sessions_when_a_pin_ends_during_its_call(engine: type[Sim]) -> None:
+def test_idle_memory_time_is_the_idle_sessions_blocks_when_a_pin_ends_during_its_call(engine: type[Sim]) -> None:
     cost = CostModel()
-    # a's first call (160 + 16 tokens) ends at ~0.18 s and caches 10 full blocks, which the
-    # 2 s TTL pins until ~2.18 s; its tool returns after 1.0 s, so its second call (30 blocks,
-    # 300 tokens, ~3 s) starts while the pin holds and outlives it. b arrives at 2.5 s, after
-    # the pin ended, and waits (serial) or runs beside a (batching). The only idle memory is
-    # a's 10 blocks during its tool: on the serial engine the ended pin freed a's blocks while
-    # its call still counted them, and the unclamped count charged -30 blocks until a ended.
-    a = TraceSession("a", "test", 0.0, (TraceTurn(160, 16, "t", 1.0, 0), TraceTurn(16, 300)))
+    # a's first call (160 + 16 tokens) ends at ~0.18 s with 10 full blocks, pinned for 2 s; its
+    # tool returns after 1.0 s, so its second call (30 blocks, ~3 s) starts while the pin holds
+    # and outlives it. c (the same first call) pins its 10 blocks for its whole 100 s tool.
+    # b's arrival at 2.5 s is the first event after a's pin ended. Idle memory is a's 10 blocks
+    # during its tool and c's 10 during its tool, nothing else: on the serial engine the pin's
+    # end freed a's blocks while its call still counted them (before: 10 + 1000 - 30 x 1.7 s).
+    first = TraceTurn(160, 16, "t", 1.0, 0)
+    a = TraceSession("a", "test", 0.0, (first, TraceTurn(16, 300)))
+    c = TraceSession("c", "test", 0.01, (replace(first, tool_duration_s=100.0), TraceTurn(16, 1)))
     b = TraceSession("b", "test", 2.5, (TraceTurn(16, 1),))
-    sim = engine(Trace((a, b)), make_manager("continuum-2s"), gpu_blocks=64, host_blocks=0, cost=cost)
+    manager = _PinsFor({"a": 2.0, "c": None, "b": None})
+    sim = engine(Trace((a, c, b)), manager, gpu_blocks=128, host_blocks=0, cost=cost)
     m = sim.run()
     a_end = sim.sessions[SessionId("a")].finished_at
     assert a_end is not None and a_end > 2.5  # a's call outlived its pin and b's arrival
-    assert m.idle_block_s == pytest.approx(10 * 1.0)
+    assert m.idle_block_s == pytest.approx(10 * 1.0 + 10 * 100.0)
+
+
+def test_batching_engine_counts_no_idle_memory_for_a_prefix_its_running_calls_share() -> None:
+    # Three calls share a 160-token prefix (10 blocks) and run in one batch; nothing is pinned.
+    # Their count of running blocks holds the prefix three times, 20 more than the blocks in use.
+    prefix = SharedPrefix("sys", 160)
+    trace = Trace(tuple(TraceSession(f"s{i}", "test", 0.01 * i, (TraceTurn(176, 50, shared_prefix=prefix),))
+                        for i in range(3)))  # fmt: skip
+    m = BatchSim(trace, make_manager("vllm"), gpu_blocks=200, host_blocks=0, cost=CostModel()).run()
+    assert m.batch_s / m.busy_s > 1  # they did run together
+    assert m.idle_block_s == 0.0
 
 
 def test_cap_context_ends_sessions_at_the_window() -> None:
