@@ -164,6 +164,21 @@ class SnapshotStore:
         )
         return _snapshot(row) if row else None
 
+    async def get_many(self, wanted: dict[str, str]) -> dict[str, Snapshot]:
+        """The snapshots of ``session -> checkpoint`` that exist, in one query (a restart
+        loads every snapshot its partition marks name)."""
+        if not wanted:
+            return {}
+        rows = await self.pool.fetch(
+            "SELECT s.* FROM agentlog_snapshots.snapshots s "
+            "JOIN unnest($2::text[], $3::text[]) AS w(session_id, checkpoint_id) "
+            "ON s.session_id = w.session_id AND s.checkpoint_id = w.checkpoint_id WHERE s.namespace = $1",
+            self.namespace,
+            list(wanted),
+            list(wanted.values()),
+        )
+        return {row["session_id"]: _snapshot(row) for row in rows}
+
     async def checkpoint_ids(self, session_ids: Iterable[str]) -> dict[str, set[str]]:
         """For each of the sessions, the checkpoints that have a snapshot (one query)."""
         rows = await self.pool.fetch(

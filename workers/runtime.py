@@ -424,12 +424,9 @@ class SessionWorker:
             try:
                 mark = await self.snapshots.load_mark(self.group, partition)
                 if mark is not None:
-                    found = {}
-                    for session_id, checkpoint_id in mark.sessions.items():
-                        if checkpoint_id is not None:
-                            snapshot = await self.snapshots.get(session_id, checkpoint_id)
-                            if snapshot is not None:
-                                found[session_id] = snapshot
+                    found = await self.snapshots.get_many(
+                        {session_id: checkpoint for session_id, checkpoint in mark.sessions.items() if checkpoint}
+                    )
                     recovery = _Recovery(mark, found, {s: [] for s in found})
                     self._marks[partition] = self._recovering[partition] = recovery
                     self._marked.add(partition)

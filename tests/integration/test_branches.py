@@ -193,6 +193,9 @@ def test_checkpoint_snapshot_and_replay_agree(env: Env) -> None:
         ):
             snapshot = await store.get(session, "after-finish")
             assert snapshot is not None
+            many = await store.get_many({session: "after-finish", "no-such-session": "after-finish"})
+            assert list(many) == [session] and many[session].digest == snapshot.digest
+            assert await store.get_many({session: "no-such-checkpoint"}) == {}
             from_snapshot = await replay_session(log, store, session)
             full = await replay_session(log, store, session, use_snapshot=False)
             return from_snapshot, full, snapshot.digest
