@@ -1,6 +1,7 @@
 """Open the log named by a URL.
 
-- ``kafka://host:port[,host:port...]``: the Kafka backend (production);
+- ``kafka://host:port[,host:port...]``: the Kafka backend (production), on kafka-python, or
+  on librdkafka when ``AGENTLOG_KAFKA_CLIENT=rdkafka`` (``log.rdkafka_backend``);
 - ``postgresql://...``: a Postgres server of your own;
 - nothing (or ``embedded``): the embedded Postgres default, started on demand.
 """
@@ -8,6 +9,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from log.backend import Backend
 from log.shared_log import SharedLog
@@ -19,6 +21,22 @@ COMPOSE_KAFKA_URL = "kafka://localhost:9092"
 COMPOSE_PG_URL = "postgresql://agentlog:agentlog@localhost:5432/agentlog"
 """The Postgres of docker-compose.yml, as seen from the host."""
 ENV_NAMESPACE = "AGENTLOG_NAMESPACE"
+ENV_KAFKA_CLIENT = "AGENTLOG_KAFKA_CLIENT"
+KAFKA_CLIENTS = ("python", "rdkafka")
+
+
+def kafka_backend(bootstrap: str, *, namespace: str = "", client_config: dict[str, Any] | None = None) -> Backend:
+    """The Kafka backend on the client ``AGENTLOG_KAFKA_CLIENT`` names (kafka-python by default)."""
+    client = os.environ.get(ENV_KAFKA_CLIENT) or "python"
+    if client == "python":
+        from log.kafka_backend import KafkaBackend
+
+        return KafkaBackend(bootstrap, namespace=namespace, client_config=client_config)
+    if client == "rdkafka":
+        from log.rdkafka_backend import RdKafkaBackend
+
+        return RdKafkaBackend(bootstrap, namespace=namespace, client_config=client_config)
+    raise ValueError(f"{ENV_KAFKA_CLIENT}={client!r}: use one of {', '.join(KAFKA_CLIENTS)}")
 
 
 def backend_for(url: str | None, *, namespace: str | None = None) -> Backend:
@@ -30,9 +48,7 @@ def backend_for(url: str | None, *, namespace: str | None = None) -> Backend:
     url = url or os.environ.get(ENV_URL) or "embedded"
     namespace = namespace if namespace is not None else os.environ.get(ENV_NAMESPACE, "")
     if url.startswith("kafka://"):
-        from log.kafka_backend import KafkaBackend
-
-        return KafkaBackend(url.removeprefix("kafka://"), namespace=namespace)
+        return kafka_backend(url.removeprefix("kafka://"), namespace=namespace)
     if url.startswith(("postgresql://", "postgres://")):
         from log.postgres_backend import PostgresBackend
 

@@ -47,6 +47,7 @@ from log.acls import (
 from log.backend import OutRecord
 from log.errors import BackendUnavailable
 from log.kafka_backend import KafkaBackend, security_config
+from log.rdkafka_backend import RdKafkaBackend
 from schemas import events as ev
 from tests.conftest import SecureKafka
 from tests.samples import sample
@@ -415,3 +416,75 @@ def test_passwords_are_private_and_reach_clients_through_the_environment(
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("AGENTLOG_KAFKA_PASSWORD", raising=False)
     assert security_config() == creds.client_configs("executor")
+
+
+# ---------------------------------------------------------------------------- the librdkafka client
+# The same grants seen through log.rdkafka_backend: the broker refuses what a role does not own,
+# and the backend says so instead of retrying forever (librdkafka retries most errors itself).
+
+
+def rd_backend(secure_kafka: SecureKafka, ns: str, principal: str) -> RdKafkaBackend:
+    return RdKafkaBackend(
+        secure_kafka.bootstrap, namespace=ns, client_config=secure_kafka.credentials.client_configs(principal)
+    )
+
+
+def test_rdkafka_planner_forging_effects_and_verdicts_is_refused_and_lands_nothing(
+    secure_kafka: SecureKafka,
+    ns: str,
+) -> None:
+    async def main() -> None:
+        for topic in ("agent.effects", "agent.verdicts"):
+            planner = rd_backend(secure_kafka, ns, "planner")
+            await planner.start()
+            try:
+                with pytest.raises(BackendUnavailable, match="TOPIC_AUTHORIZATION_FAILED"):
+                    await (await planner.produce(topic, [OutRecord(0, b"s-1", b"forged")]))
+            finally:
+                await planner.close()
+        planner = rd_backend(secure_kafka, ns, "planner")
+        await planner.start()
+        try:
+            (position,) = await (await planner.produce("agent.actions", [OutRecord(0, b"s-1", b"ok")]))
+            assert position.offset == 0
+        finally:
+            await planner.close()
+
+    asyncio.run(main())
+    assert end_offsets(secure_kafka, ns) == {**dict.fromkeys(ALL_TOPICS, 0), "agent.actions": 1}
+
+
+@pytest.mark.parametrize(
+    ("principal", "group", "topic", "error"),
+    [
+        ("planner", "decider", "agent.actions", "GROUP_AUTHORIZATION_FAILED"),  # another role's group
+        ("planner", "planner", "kv.events", "TOPIC_AUTHORIZATION_FAILED"),  # its group, a topic it may not read
+    ],
+)
+def test_rdkafka_consumer_of_a_foreign_group_or_topic_is_refused(
+    secure_kafka: SecureKafka,
+    ns: str,
+    principal: str,
+    group: str,
+    topic: str,
+    error: str,
+) -> None:
+    async def main() -> None:
+        b = rd_backend(secure_kafka, ns, principal)
+        subscription = await b.subscribe(group, [topic], from_beginning=True)
+        try:
+            with pytest.raises(BackendUnavailable, match=error):
+                for _ in range(10):
+                    await subscription.poll(1.0, 10)
+        finally:
+            await subscription.close()
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_rdkafka_wrong_password_is_refused_at_start(secure_kafka: SecureKafka) -> None:
+    config = {**secure_kafka.credentials.client_configs("planner"), "sasl_plain_password": "wrong"}
+    b = RdKafkaBackend(secure_kafka.bootstrap, client_config=config)
+    with pytest.raises(BackendUnavailable, match="cannot reach Kafka"):
+        asyncio.run(b.start())

@@ -1,0 +1,496 @@
+"""The Kafka backend on librdkafka (confluent-kafka): the same log, a native client.
+
+``kafka://`` logs use ``log.kafka_backend`` (kafka-python) unless ``AGENTLOG_KAFKA_CLIENT``
+is ``rdkafka`` (see ``log.urls``). Both write the same records to the same topics and pass
+the same contract suite; this one parses fetched batches, checks their CRCs and batches
+sends in C threads that do not hold the GIL, which is most of what a busy worker spends
+in kafka-python (``docs/cache-manager.md``, Scale).
+
+- Producer: idempotent, ``acks=all``; the partition is computed by ``log.partitioner``
+  (Kafka's murmur2 of the session id) as with kafka-python. librdkafka reports deliveries
+  only from ``poll``: a daemon thread polls and counts them down into one asyncio future
+  per batch (``_Batch``), like ``kafka_backend._BatchWaiter``.
+- Consumers: calls run in a worker thread (``asyncio.to_thread``), one at a time per
+  consumer. librdkafka fetches ahead in its own threads; a ``seek`` drops what it fetched
+  from the old position.
+- Client settings: ``log.kafka_backend.security_config`` (and ``client_config``) use
+  kafka-python's names; ``rdkafka_config`` translates the few we use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from log import topics as topic_table
+from log.backend import Backend, OutRecord, Subscription
+from log.errors import BackendUnavailable
+from log.kafka_backend import DLQ_RETENTION_MS, security_config
+from log.types import Position, RawRecord
+
+__all__ = ["RdKafkaBackend", "rdkafka_config"]
+
+_log = logging.getLogger("agentlog.rdkafka")
+_TIMEOUT_S = 30.0
+_SCAN_BATCH = 2000
+
+# kafka-python setting -> librdkafka property (the settings this project passes).
+_NAMES = {
+    "security_protocol": "security.protocol",
+    "sasl_mechanism": "sasl.mechanisms",
+    "sasl_plain_username": "sasl.username",
+    "sasl_plain_password": "sasl.password",
+    "request_timeout_ms": "socket.timeout.ms",
+    "client_id": "client.id",
+}
+
+
+def rdkafka_config(client_config: dict[str, Any]) -> dict[str, Any]:
+    """librdkafka properties for settings given with kafka-python's names (or librdkafka's own,
+    which contain a dot and pass as they are)."""
+    out: dict[str, Any] = {}
+    for name, value in client_config.items():
+        if "." in name:
+            out[name] = value
+        elif name in _NAMES:
+            out[_NAMES[name]] = value
+        else:
+            raise ValueError(f"no librdkafka equivalent known for the Kafka client setting {name!r}")
+    return out
+
+
+def _error(e: BaseException) -> str:
+    if isinstance(e, KafkaException) and e.args and isinstance(e.args[0], KafkaError):
+        err = e.args[0]
+        return f"{err.name()}: {err.str()}"
+    return str(e)
+
+
+# Answers right after a topic is created, or while leadership moves: ask again.
+_TRANSIENT = frozenset(
+    {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART}
+)
+
+
+# Errors librdkafka reports and retries on its own, which must reach the caller instead: a
+# consumer the broker refuses would otherwise wait forever, silently.
+_REFUSED = frozenset(
+    {
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.GROUP_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError.SASL_AUTHENTICATION_FAILED,
+        KafkaError._AUTHENTICATION,
+    }
+)
+
+
+def _retrying(call: Any, *args: Any) -> Any:
+    """``call(*args)``, asked again for up to ``_TIMEOUT_S`` while the broker answers with a
+    transient or retriable error (a blocking call: run it in a thread)."""
+    deadline = time.monotonic() + _TIMEOUT_S
+    while True:
+        try:
+            return call(*args)
+        except KafkaException as e:
+            err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+            if err is None or not (err.retriable() or err.code() in _TRANSIENT) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+class _Batch:
+    """One ``produce`` call's records: their delivery reports, counted down into one future.
+
+    Reports arrive on the delivery thread (``RdKafkaBackend._deliver``) in any order; the
+    last one wakes the event loop once for the whole batch.
+    """
+
+    __slots__ = ("error", "future", "lock", "loop", "offsets", "partitions", "remaining", "topic")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, topic: str, n: int) -> None:
+        self.loop = loop
+        self.topic = topic
+        self.future: asyncio.Future[list[Position]] = loop.create_future()
+        self.partitions = [0] * n
+        self.offsets = [0] * n
+        self.remaining = n
+        self.error: str | None = None
+        self.lock = threading.Lock()  # reports of one batch may come from produce() too (queue full)
+
+    def report(self, index: int, err: Any, msg: Any) -> None:
+        with self.lock:
+            if err is not None:
+                if self.error is None:
+                    self.error = f"{err.name()}: {err.str()}"
+            else:
+                self.partitions[index] = msg.partition()
+                self.offsets[index] = msg.offset()
+            self.remaining -= 1
+            last = self.remaining == 0
+        if last:
+            self.loop.call_soon_threadsafe(self._finish)
+
+    def _finish(self) -> None:
+        if self.future.done():
+            return
+        if self.error is not None:
+            self.future.set_exception(BackendUnavailable(f"producing to {self.topic} failed: {self.error}"))
+            return
+        topic = self.topic
+        self.future.set_result([Position(topic, p, o) for p, o in zip(self.partitions, self.offsets, strict=True)])
+
+
+class RdKafkaBackend(Backend):
+    """Topics on a Kafka cluster at ``bootstrap`` (``host:port[,host:port]``), via librdkafka."""
+
+    name = "kafka"
+
+    def __init__(
+        self,
+        bootstrap: str,
+        *,
+        namespace: str = "",
+        client_config: dict[str, Any] | None = None,
+        linger_ms: int = 2,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.namespace = namespace
+        self.client_config = {**security_config(), **(client_config or {})}
+        self.linger_ms = linger_ms
+        self._common = {"bootstrap.servers": bootstrap, "logger": _log, **rdkafka_config(self.client_config)}
+        self._producer: Any = None
+        self._delivering = False
+        self._delivery: threading.Thread | None = None
+        self._scanners: list[Any] = []  # idle scan consumers, reused
+        self._num_partitions: int | None = None
+
+    def physical(self, topic: str) -> str:
+        """The Kafka topic that holds logical ``topic`` (prefixed by the namespace, if any)."""
+        return f"{self.namespace}.{topic}" if self.namespace else topic
+
+    def logical(self, physical: str) -> str:
+        return physical.removeprefix(f"{self.namespace}.") if self.namespace else physical
+
+    def _consumer(self, **config: Any) -> Any:
+        return Consumer({**self._common, "enable.auto.commit": False, "enable.partition.eof": False, **config})
+
+    async def start(self) -> None:
+        producer = Producer(
+            {
+                **self._common,
+                "acks": "all",
+                "enable.idempotence": True,
+                "linger.ms": self.linger_ms,
+                "queue.buffering.max.messages": 1_000_000,
+            }
+        )
+        # librdkafka connects lazily: ask for metadata once so that an unreachable broker
+        # fails here, as kafka-python's producer does, not at the first append.
+        try:
+            await asyncio.to_thread(producer.list_topics, None, 10.0)
+        except KafkaException as e:
+            raise BackendUnavailable(f"cannot reach Kafka at {self.bootstrap}: {_error(e)}") from e
+        self._producer = producer
+        self._delivering = True
+        self._delivery = threading.Thread(target=self._deliver, name="agentlog-rdkafka-delivery", daemon=True)
+        self._delivery.start()
+
+    def _deliver(self) -> None:
+        """Serve delivery reports (they run inside ``poll``) until ``close``."""
+        while self._delivering:
+            self._producer.poll(0.05)
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            remaining = await asyncio.to_thread(self._producer.flush, _TIMEOUT_S)
+            self._delivering = False
+            if self._delivery is not None:
+                await asyncio.to_thread(self._delivery.join)
+            if remaining:
+                _log.warning("closed with %d records not acknowledged", remaining)
+            self._producer = None
+        for consumer in self._scanners:
+            await asyncio.to_thread(consumer.close)
+        self._scanners.clear()
+
+    async def create_topics(self, num_partitions: int) -> None:
+        def create() -> None:
+            admin = AdminClient(self._common)
+            existing = set(admin.list_topics(timeout=_TIMEOUT_S).topics)
+            wanted = [
+                NewTopic(
+                    self.physical(t.name),
+                    num_partitions=num_partitions,
+                    replication_factor=1,
+                    config={
+                        "cleanup.policy": "delete",
+                        "retention.ms": "-1" if t.infinite_retention else str(DLQ_RETENTION_MS),
+                    },
+                )
+                for t in topic_table.TOPICS
+                if self.physical(t.name) not in existing
+            ]
+            if not wanted:
+                return
+            for future in admin.create_topics(wanted, operation_timeout=_TIMEOUT_S).values():
+                try:
+                    future.result()
+                except KafkaException as e:  # another initializer may create them at the same moment
+                    if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                        raise BackendUnavailable(f"cannot create topics: {_error(e)}") from e
+            names = {topic.topic for topic in wanted}
+            deadline = time.monotonic() + _TIMEOUT_S
+            while not _led(admin.list_topics(timeout=_TIMEOUT_S), names):  # until every partition has a leader
+                if time.monotonic() > deadline:
+                    raise BackendUnavailable(f"created topics have no leaders after {_TIMEOUT_S} s")
+                time.sleep(0.1)
+
+        await asyncio.to_thread(create)
+
+    async def num_partitions(self) -> int:
+        if self._num_partitions is None:
+            scanner = await self._take_scanner()
+            try:
+                counts = set()
+                for t in topic_table.TOPICS:
+                    metadata = await asyncio.to_thread(scanner.list_topics, self.physical(t.name), _TIMEOUT_S)
+                    topic = metadata.topics.get(self.physical(t.name))
+                    if topic is None or topic.error is not None or not topic.partitions:
+                        raise BackendUnavailable(f"topic {t.name} does not exist: run `logctl init`")
+                    counts.add(len(topic.partitions))
+            finally:
+                self._scanners.append(scanner)
+            if len(counts) != 1:
+                raise BackendUnavailable(f"topics are not co-partitioned (partition counts {sorted(counts)})")
+            self._num_partitions = counts.pop()
+        return self._num_partitions
+
+    async def produce(self, topic: str, records: Sequence[OutRecord]) -> asyncio.Future[list[Position]]:
+        if self._producer is None:
+            raise RuntimeError("backend not started")
+        batch = _Batch(asyncio.get_running_loop(), topic, len(records))
+        physical = self.physical(topic)
+        produce = self._producer.produce
+        for index, record in enumerate(records):
+            report = _reporter(batch, index)
+            while True:
+                try:
+                    produce(physical, record.value, record.key, record.partition, on_delivery=report)
+                    break
+                except BufferError:  # the local queue is full: let the broker catch up, keep the order
+                    await asyncio.sleep(0.01)
+        return batch.future
+
+    async def _take_scanner(self) -> Any:
+        if self._scanners:
+            return self._scanners.pop()
+        # A group id is required by the client, but a scanner assigns partitions itself and
+        # never commits, so it never talks to the group coordinator. It reads up to an end it
+        # knows: a fetch that finds nothing must not wait on the broker (500 ms by default),
+        # because the next scan's partition waits behind it.
+        return await asyncio.to_thread(self._consumer, **{"group.id": "agentlog-scan", "fetch.wait.max.ms": 5})
+
+    async def scan(
+        self, topic: str, partition: int, start: int = 0, end: int | None = None
+    ) -> AsyncIterator[RawRecord]:
+        physical = self.physical(topic)
+        scanner = await self._take_scanner()
+        try:
+            if end is None:
+                end = await self._end_offset(scanner, physical, partition)
+            if start >= end:
+                return
+            await asyncio.to_thread(scanner.assign, [TopicPartition(physical, partition, start)])
+            position = start
+            while position < end:
+                # consume() waits until it has as many as asked for, or for the timeout.
+                batch = await asyncio.to_thread(scanner.consume, min(_SCAN_BATCH, end - position), 1.0)
+                for message in batch:
+                    if message.error() is not None:
+                        raise BackendUnavailable(f"reading {topic}[{partition}] failed: {message.error().str()}")
+                    offset = message.offset()
+                    if offset >= end:
+                        return
+                    position = offset + 1
+                    yield RawRecord(Position(topic, partition, offset), message.key(), message.value())
+                if not batch:
+                    # Nothing came back: the records may be compacted or aborted; the consumer
+                    # position tells how far the log really goes.
+                    (tp,) = await asyncio.to_thread(scanner.position, [TopicPartition(physical, partition)])
+                    position = max(position, tp.offset)
+        finally:
+            await asyncio.to_thread(scanner.unassign)
+            self._scanners.append(scanner)
+
+    @staticmethod
+    async def _end_offset(consumer: Any, physical: str, partition: int) -> int:
+        try:
+            _, high = await asyncio.to_thread(
+                _retrying, consumer.get_watermark_offsets, TopicPartition(physical, partition), _TIMEOUT_S
+            )
+        except KafkaException as e:
+            raise BackendUnavailable(f"cannot read the end of {physical}[{partition}]: {_error(e)}") from e
+        return int(high)
+
+    async def end_offsets(self, topic: str) -> dict[int, int]:
+        n = await self.num_partitions()
+        scanner = await self._take_scanner()
+        try:
+            physical = self.physical(topic)
+            return {p: await self._end_offset(scanner, physical, p) for p in range(n)}
+        finally:
+            self._scanners.append(scanner)
+
+    async def subscribe(
+        self, group: str, topics: Sequence[str], *, from_beginning: bool, instance_id: str | None = None
+    ) -> Subscription:
+        subscription = RdKafkaSubscription(self, group, topics, from_beginning=from_beginning, instance_id=instance_id)
+        await asyncio.to_thread(subscription.join)
+        return subscription
+
+
+def _led(metadata: Any, names: set[str]) -> bool:
+    """Whether every partition of every topic in ``names`` has a leader in ``metadata``."""
+    for name in names:
+        topic = metadata.topics.get(name)
+        if topic is None or topic.error is not None or not topic.partitions:
+            return False
+        if any(p.leader < 0 or p.error is not None for p in topic.partitions.values()):
+            return False
+    return True
+
+
+def _reporter(batch: _Batch, index: int) -> Any:
+    return lambda err, msg: batch.report(index, err, msg)
+
+
+class RdKafkaSubscription(Subscription):
+    """A librdkafka group consumer; the broker's group coordinator assigns partitions."""
+
+    def __init__(
+        self,
+        backend: RdKafkaBackend,
+        group: str,
+        topics: Sequence[str],
+        *,
+        from_beginning: bool,
+        instance_id: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.group = group
+        self.instance_id = instance_id
+        self.topics = tuple(topics)
+        self.from_beginning = from_beginning
+        self._held: set[tuple[str, int]] = set()
+        self._consumer: Any = None
+
+    def join(self) -> None:
+        # As in kafka_backend: a new group starts at the beginning, a dead member's partitions
+        # move after 6 s, groups live in the namespace, a static member takes its partitions back.
+        config: dict[str, Any] = {
+            "group.id": self.backend.physical(self.group),
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": 6000,
+            "heartbeat.interval.ms": 1000,
+        }
+        if self.instance_id:
+            config["group.instance.id"] = self.instance_id
+        self._consumer = self.backend._consumer(**config)
+        self._consumer.subscribe(
+            [self.backend.physical(t) for t in self.topics], on_assign=self._on_assign, on_revoke=self._on_revoke
+        )
+
+    # Rebalance callbacks run inside consume, on the polling thread. The default (eager)
+    # assignors revoke everything, then assign the new set.
+    def _on_revoke(self, consumer: Any, revoked: list[Any]) -> None:
+        self._held = {(tp.topic, tp.partition) for tp in revoked}
+        consumer.unassign()
+
+    def _on_assign(self, consumer: Any, assigned: list[Any]) -> None:
+        if self.from_beginning:
+            # Partitions new to this member start at 0; partitions it kept continue where it was
+            # (their committed offset: every poll's records are committed before the next rebalance
+            # can complete, as with kafka-python's eager protocol).
+            for tp in assigned:
+                if (tp.topic, tp.partition) not in self._held:
+                    tp.offset = OFFSET_BEGINNING
+        consumer.assign(assigned)
+        self._held = {(tp.topic, tp.partition) for tp in assigned}
+
+    async def poll(self, timeout_s: float, max_records: int) -> list[RawRecord]:
+        messages = await asyncio.to_thread(_take, self._consumer, timeout_s, max_records)
+        logical = self.backend.logical
+        names: dict[str, str] = {}
+        records: list[RawRecord] = []
+        for m in messages:
+            if (err := m.error()) is not None:
+                if err.fatal() or err.code() in _REFUSED:
+                    raise BackendUnavailable(f"consumer of {self.group} failed: {err.name()}: {err.str()}")
+                _log.warning("consumer of %s: %s: %s", self.group, err.name(), err.str())
+                continue
+            physical = m.topic()
+            topic = names.get(physical) or names.setdefault(physical, logical(physical))
+            records.append(RawRecord(Position(topic, m.partition(), m.offset()), m.key(), m.value()))
+        # librdkafka interleaves partitions; order per partition is kept by a stable sort.
+        records.sort(key=_by_partition)
+        return records
+
+    async def commit(self, offsets: dict[tuple[str, int], int]) -> None:
+        physical = self.backend.physical
+        payload = [TopicPartition(physical(t), p, o) for (t, p), o in offsets.items()]
+        try:
+            await asyncio.to_thread(self._consumer.commit, offsets=payload, asynchronous=False)
+        except KafkaException as e:
+            raise BackendUnavailable(f"commit of {self.group} failed: {_error(e)}") from e
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return {(self.backend.logical(tp.topic), tp.partition) for tp in self._consumer.assignment()}
+
+    def seek(self, topic: str, partition: int, offset: int) -> bool:
+        # Called between polls. A partition assigned but not fetched yet cannot seek ("erroneous
+        # state"): then the caller skips the records before ``offset`` itself.
+        tp = TopicPartition(self.backend.physical(topic), partition, offset)
+        if (topic, partition) not in self.assignment():
+            return False
+        try:
+            self._consumer.seek(tp)
+        except KafkaException as e:
+            _log.info("cannot seek %s[%d] to %d yet: %s", topic, partition, offset, _error(e))
+            return False
+        return True
+
+    async def close(self) -> None:
+        if self._consumer is not None:
+            await asyncio.to_thread(self._consumer.close)
+            self._consumer = None
+
+
+def _take(consumer: Any, timeout_s: float, max_records: int) -> list[Any]:
+    """Up to ``max_records`` messages, waiting up to ``timeout_s`` for the first one only.
+
+    librdkafka's ``consume(n, timeout)`` waits until it has ``n`` messages (or the timeout
+    passed), which would hold back a poll's first record behind a full timeout; the
+    log's poll returns as soon as anything is there (kafka-python's semantics)."""
+    first = consumer.poll(timeout_s)
+    if first is None:
+        return []
+    return [first, *consumer.consume(max_records - 1, 0)] if max_records > 1 else [first]
+
+
+def _by_partition(record: RawRecord) -> tuple[str, int]:
+    return record.position.topic, record.position.partition

@@ -1,0 +1,19 @@
+"""The SharedLog contract on the Kafka backend's librdkafka client (a real broker)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from log.backend import Backend
+from log.rdkafka_backend import RdKafkaBackend
+from tests.contract.shared_log_contract import ReadOnlyAuditorContract, SharedLogContract
+
+pytestmark = [pytest.mark.contract, pytest.mark.integration]
+
+
+class TestRdKafkaSharedLog(SharedLogContract, ReadOnlyAuditorContract):
+    @pytest.fixture
+    def make_backend(self, kafka_bootstrap: str, namespace: str) -> Callable[[], Backend]:
+        return lambda: RdKafkaBackend(kafka_bootstrap, namespace=namespace)
