@@ -3,7 +3,8 @@
 Run::
 
     python -m bench.cache_manager_scale [--events N] [--sessions 10000] [--bootstrap HOST:PORT]
-                                        [--max-records 500] [--no-kafka] [--json FILE]
+                                        [--max-records 500] [--poll-sizes 500 50]
+                                        [--clients python rdkafka] [--no-kafka] [--json FILE]
 
 Without ``--bootstrap`` (and without ``KAFKA_BOOTSTRAP_SERVERS``) the Kafka rows are
 skipped unless ``--local-kafka`` starts a broker from the Maven jars.
@@ -33,7 +34,9 @@ Rows (the same events, in one run)
   next poll), as ``python -m workers.cache_manager`` runs, minus the replay rules (the
   backlog counts as new events).
 
-Every Kafka worker row reads its own copy of the backlog (a fresh namespace each), so
+The Kafka rows run once per client of ``--clients`` (``python``: kafka-python, the
+default backend; ``rdkafka``: librdkafka through ``log.rdkafka_backend``), side by side
+on the same events. Every Kafka worker row reads its own copy of the backlog (a fresh namespace each), so
 each appends its decisions to an empty ``kv.decisions`` (a second row on the same
 namespace would find the first row's decisions there and append nothing). The process
 runs with the worker process's collector thresholds (``workers.cache_manager.tune_gc``),
@@ -71,9 +74,11 @@ from datetime import UTC, datetime, timedelta
 
 from log import Draft, LoggedEvent, Position, SharedLog
 from log import topics as topic_table
+from log.backend import Backend
 from log.chain import ChainVerifier
 from log.codec import ZERO_HASH, Codec
 from log.kafka_backend import KafkaBackend
+from log.rdkafka_backend import RdKafkaBackend
 from schemas import events as ev
 from schemas.events import KVTier, SessionId
 from services.cache.manager import CacheManager, ManagerConfig
@@ -320,8 +325,18 @@ async def fill_kafka(bootstrap: str, namespace: str, events: list[Ev], partition
     return len(events) / (time.perf_counter() - began)
 
 
-async def run_consume(bootstrap: str, namespace: str, num_events: int, max_records: int) -> Row:
-    async with SharedLog(KafkaBackend(bootstrap, namespace=namespace), actor="auditor") as log:
+CLIENT_NAMES = {"python": "kafka-python", "rdkafka": "librdkafka"}
+
+
+def client_backend(client: str, bootstrap: str, namespace: str) -> Backend:
+    """The Kafka backend on one client (``--clients``): the rows of both read the same events."""
+    if client == "rdkafka":
+        return RdKafkaBackend(bootstrap, namespace=namespace)
+    return KafkaBackend(bootstrap, namespace=namespace)
+
+
+async def run_consume(client: str, bootstrap: str, namespace: str, num_events: int, max_records: int) -> Row:
+    async with SharedLog(client_backend(client, bootstrap, namespace), actor="auditor") as log:
         consumer = await log.consumer("auditor-scale", list(WRITER_OF), from_beginning=True).start()
         frozen()
         try:
@@ -335,7 +350,7 @@ async def run_consume(bootstrap: str, namespace: str, num_events: int, max_recor
                 got += len(batch)
             assert began is not None
             seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - began_cpu
-            return Row("Kafka consume only (EventConsumer)", got, seconds, 0, cpu_seconds)
+            return Row(f"Kafka consume only, {CLIENT_NAMES[client]}", got, seconds, 0, cpu_seconds)
         finally:
             await consumer.close()
 
@@ -368,16 +383,18 @@ class _TimedWorker(CacheManagerWorker):
             self.last, self.last_cpu = time.perf_counter(), time.process_time()
 
 
-async def run_worker(bootstrap: str, namespace: str, config: ManagerConfig, num_events: int, max_records: int) -> Row:
+async def run_worker(
+    client: str, bootstrap: str, namespace: str, config: ManagerConfig, num_events: int, max_records: int
+) -> Row:
     stats = WorkerStats(record_latency=True)
-    async with SharedLog(KafkaBackend(bootstrap, namespace=namespace), actor="cache-manager") as log:
+    async with SharedLog(client_backend(client, bootstrap, namespace), actor="cache-manager") as log:
         worker = _TimedWorker(log, config=config, max_records=max_records, stats=stats, recover=False)
         worker.target = num_events
         frozen()
         await worker.run()
         assert worker.first is not None and worker.last is not None
         end = max(worker.last, worker.first)  # the appends of the decisions are part of the work
-        return Row(f"Kafka worker (poll {max_records}, append)", stats.num_events, end - worker.first,
+        return Row(f"Kafka worker, poll {max_records}, {CLIENT_NAMES[client]}", stats.num_events, end - worker.first,
                    stats.num_decisions, worker.last_cpu - worker.first_cpu, stats.decide_s, stats.decide_cpu_s,
                    stats.ready_s, stats.appended_s)  # fmt: skip
 
@@ -405,14 +422,14 @@ def ms(value: float | None) -> str:
 
 def table(rows: list[Row], base: Row) -> str:
     header = (
-        f"{'':<40} {'events/s':>10} {'cpu ev/s':>9} {'x mem':>6} {'decisions':>9} {'decide p50':>10} {'p99':>7}"
+        f"{'':<42} {'events/s':>10} {'cpu ev/s':>9} {'x mem':>6} {'decisions':>9} {'decide p50':>10} {'p99':>7}"
         f" {'cpu p99':>7}"
         f" {'from poll p50':>13} {'p99':>7} {'appended p50':>12} {'p99':>7}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.name:<40} {r.rate:>10,.0f} {'-' if r.cpu_rate is None else f'{r.cpu_rate:,.0f}':>9}"
+            f"{r.name:<42} {r.rate:>10,.0f} {'-' if r.cpu_rate is None else f'{r.cpu_rate:,.0f}':>9}"
             f" {r.rate / base.rate:>6.2f} {r.num_decisions:>9,}"
             f" {ms(pct(r.decide_s, 0.5)):>10} {ms(pct(r.decide_s, 0.99)):>7} {ms(pct(r.cpu_s, 0.99)):>7}"
             f" {ms(pct(r.ready_s, 0.5)):>13} {ms(pct(r.ready_s, 0.99)):>7}"
@@ -453,19 +470,18 @@ async def main_async(args: argparse.Namespace) -> int:
     append_rate = None
     if args.bootstrap:
         # One namespace per worker row: each appends its decisions to an empty kv.decisions.
-        namespaces = [f"scale{uuid.uuid4().hex[:8]}" for _ in range(max(1, len(args.poll_sizes)))]
+        runs = [(client, size) for client in args.clients for size in args.poll_sizes]
+        namespaces = [f"scale{uuid.uuid4().hex[:8]}" for _ in runs]
         try:
-            for i, namespace in enumerate(namespaces):
+            for i, ((client, max_records), namespace) in enumerate(zip(runs, namespaces, strict=True)):
                 rate = await fill_kafka(args.bootstrap, namespace, events, args.partitions)
                 append_rate = rate if append_rate is None else append_rate
                 print(f"  appended to Kafka at {rate:,.0f} events/s (not a row: the writers' cost)", flush=True)
-                if i == 0:
-                    rows.append(await run_consume(args.bootstrap, namespace, len(events), args.max_records))
+                if i == 0 or runs[i - 1][0] != client:  # the first namespace of each client
+                    rows.append(await run_consume(client, args.bootstrap, namespace, len(events), args.max_records))
                     print(f"  {rows[-1].name}: {rows[-1].rate:,.0f} events/s", flush=True)
-                if i < len(args.poll_sizes):
-                    max_records = args.poll_sizes[i]
-                    rows.append(await run_worker(args.bootstrap, namespace, config, len(events), max_records))
-                    print(f"  {rows[-1].name}: {rows[-1].rate:,.0f} events/s", flush=True)
+                rows.append(await run_worker(client, args.bootstrap, namespace, config, len(events), max_records))
+                print(f"  {rows[-1].name}: {rows[-1].rate:,.0f} events/s", flush=True)
         finally:
             for namespace in namespaces:
                 delete_namespace(args.bootstrap, namespace)
@@ -494,6 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--max-records", type=int, default=500, help="poll size of the consume-only row")
     parser.add_argument("--poll-sizes", type=int, nargs="+", default=[500, 50], help="one worker row per poll size")
+    parser.add_argument(
+        "--clients", nargs="+", choices=sorted(CLIENT_NAMES), default=["python", "rdkafka"],
+        help="Kafka clients: a consume-only row and the worker rows for each",
+    )  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.no_kafka:
