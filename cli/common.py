@@ -47,10 +47,9 @@ def ensure_topics(log_url: str | None, partitions: int = DEFAULT_PARTITIONS, *, 
 
 async def _apply_acls(backend: Backend) -> None:
     from log.acls import admin_client, apply_acls
-    from log.kafka_backend import KafkaBackend
-    from log.rdkafka_backend import RdKafkaBackend
+    from log.kafka_backend import KafkaCluster
 
-    if not isinstance(backend, KafkaBackend | RdKafkaBackend):
+    if not isinstance(backend, KafkaCluster):
         raise typer.BadParameter("--secure needs a kafka:// log URL (on Postgres, see log/pg_roles.py)")
 
     def apply() -> None:

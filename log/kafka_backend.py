@@ -103,10 +103,26 @@ class _BatchWaiter:
         self.future.set_result(positions)
 
 
-class KafkaBackend(Backend):
-    """Topics on a Kafka cluster at ``bootstrap`` (``host:port[,host:port]``)."""
+def topic_configs(topic: topic_table.Topic) -> dict[str, str]:
+    """The Kafka topic settings of one of the log's topics."""
+    retention = "-1" if topic.infinite_retention else str(DLQ_RETENTION_MS)
+    return {"cleanup.policy": "delete", "retention.ms": retention}
 
-    name = "kafka"
+
+def one_partition_count(counts: dict[str, int]) -> int:
+    """The partition count every topic of the log shares (logical topic -> its count; 0:
+    the topic is missing)."""
+    for topic, count in counts.items():
+        if not count:
+            raise BackendUnavailable(f"topic {topic} does not exist: run `logctl init`")
+    if len(set(counts.values())) != 1:
+        raise BackendUnavailable(f"topics are not co-partitioned (partition counts {sorted(set(counts.values()))})")
+    return next(iter(counts.values()))
+
+
+class KafkaCluster:
+    """What both Kafka clients' backends share: the cluster, the client settings, and where a
+    namespace's topics and groups live on it."""
 
     def __init__(
         self,
@@ -120,7 +136,6 @@ class KafkaBackend(Backend):
         self.namespace = namespace
         self.client_config = {**security_config(), **(client_config or {})}
         self.linger_ms = linger_ms
-        self._producer: Any = None
         self._scanners: list[Any] = []  # idle scan consumers, reused
         self._num_partitions: int | None = None
 
@@ -130,6 +145,13 @@ class KafkaBackend(Backend):
 
     def logical(self, physical: str) -> str:
         return physical.removeprefix(f"{self.namespace}.") if self.namespace else physical
+
+
+class KafkaBackend(KafkaCluster, Backend):
+    """Topics on a Kafka cluster at ``bootstrap`` (``host:port[,host:port]``)."""
+
+    name = "kafka"
+    _producer: Any = None
 
     def _consumer(self, **config: Any) -> Any:
         return KafkaConsumer(
@@ -172,10 +194,7 @@ class KafkaBackend(Backend):
                     self.physical(t.name): {
                         "num_partitions": num_partitions,
                         "replication_factor": 1,
-                        "configs": {
-                            "cleanup.policy": "delete",
-                            "retention.ms": "-1" if t.infinite_retention else str(DLQ_RETENTION_MS),
-                        },
+                        "configs": topic_configs(t),
                     }
                     for t in topic_table.TOPICS
                     if self.physical(t.name) not in existing
@@ -193,17 +212,13 @@ class KafkaBackend(Backend):
         if self._num_partitions is None:
             scanner = await self._take_scanner()
             try:
-                counts = set()
-                for t in topic_table.TOPICS:
-                    parts = await asyncio.to_thread(scanner.partitions_for_topic, self.physical(t.name))
-                    if not parts:
-                        raise BackendUnavailable(f"topic {t.name} does not exist: run `logctl init`")
-                    counts.add(len(parts))
+                counts = {
+                    t.name: len(await asyncio.to_thread(scanner.partitions_for_topic, self.physical(t.name)) or ())
+                    for t in topic_table.TOPICS
+                }
             finally:
                 self._scanners.append(scanner)
-            if len(counts) != 1:
-                raise BackendUnavailable(f"topics are not co-partitioned (partition counts {sorted(counts)})")
-            self._num_partitions = counts.pop()
+            self._num_partitions = one_partition_count(counts)
         return self._num_partitions
 
     async def produce(self, topic: str, records: Sequence[OutRecord]) -> asyncio.Future[list[Position]]:

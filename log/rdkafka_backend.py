@@ -39,7 +39,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from log import topics as topic_table
 from log.backend import Backend, OutRecord, Subscription
 from log.errors import BackendUnavailable
-from log.kafka_backend import DLQ_RETENTION_MS, security_config
+from log.kafka_backend import KafkaCluster, one_partition_count, topic_configs
 from log.types import Position, RawRecord
 
 __all__ = ["RdKafkaBackend", "rdkafka_config"]
@@ -155,7 +155,7 @@ class _Batch:
         self.future.set_result([Position(topic, p, o) for p, o in zip(self.partitions, self.offsets, strict=True)])
 
 
-class RdKafkaBackend(Backend):
+class RdKafkaBackend(KafkaCluster, Backend):
     """Topics on a Kafka cluster at ``bootstrap`` (``host:port[,host:port]``), via librdkafka."""
 
     name = "kafka"
@@ -168,23 +168,11 @@ class RdKafkaBackend(Backend):
         client_config: dict[str, Any] | None = None,
         linger_ms: int = 2,
     ) -> None:
-        self.bootstrap = bootstrap
-        self.namespace = namespace
-        self.client_config = {**security_config(), **(client_config or {})}
-        self.linger_ms = linger_ms
+        super().__init__(bootstrap, namespace=namespace, client_config=client_config, linger_ms=linger_ms)
         self._common = {"bootstrap.servers": bootstrap, "logger": _log, **rdkafka_config(self.client_config)}
         self._producer: Any = None
         self._delivering = False
         self._delivery: threading.Thread | None = None
-        self._scanners: list[Any] = []  # idle scan consumers, reused
-        self._num_partitions: int | None = None
-
-    def physical(self, topic: str) -> str:
-        """The Kafka topic that holds logical ``topic`` (prefixed by the namespace, if any)."""
-        return f"{self.namespace}.{topic}" if self.namespace else topic
-
-    def logical(self, physical: str) -> str:
-        return physical.removeprefix(f"{self.namespace}.") if self.namespace else physical
 
     def _consumer(self, **config: Any) -> Any:
         return Consumer({**self._common, "enable.auto.commit": False, "enable.partition.eof": False, **config})
@@ -237,10 +225,7 @@ class RdKafkaBackend(Backend):
                     self.physical(t.name),
                     num_partitions=num_partitions,
                     replication_factor=1,
-                    config={
-                        "cleanup.policy": "delete",
-                        "retention.ms": "-1" if t.infinite_retention else str(DLQ_RETENTION_MS),
-                    },
+                    config=topic_configs(t),
                 )
                 for t in topic_table.TOPICS
                 if self.physical(t.name) not in existing
@@ -266,18 +251,14 @@ class RdKafkaBackend(Backend):
         if self._num_partitions is None:
             scanner = await self._take_scanner()
             try:
-                counts = set()
+                counts = {}
                 for t in topic_table.TOPICS:
                     metadata = await asyncio.to_thread(scanner.list_topics, self.physical(t.name), _TIMEOUT_S)
                     topic = metadata.topics.get(self.physical(t.name))
-                    if topic is None or topic.error is not None or not topic.partitions:
-                        raise BackendUnavailable(f"topic {t.name} does not exist: run `logctl init`")
-                    counts.add(len(topic.partitions))
+                    counts[t.name] = len(topic.partitions) if topic is not None and topic.error is None else 0
             finally:
                 self._scanners.append(scanner)
-            if len(counts) != 1:
-                raise BackendUnavailable(f"topics are not co-partitioned (partition counts {sorted(counts)})")
-            self._num_partitions = counts.pop()
+            self._num_partitions = one_partition_count(counts)
         return self._num_partitions
 
     async def produce(self, topic: str, records: Sequence[OutRecord]) -> asyncio.Future[list[Position]]:
