@@ -173,6 +173,7 @@ class RdKafkaBackend(KafkaCluster, Backend):
         self._producer: Any = None
         self._delivering = False
         self._delivery: threading.Thread | None = None
+        self._in_order = asyncio.Lock()
 
     def _consumer(self, **config: Any) -> Any:
         return Consumer({**self._common, "enable.auto.commit": False, "enable.partition.eof": False, **config})
@@ -180,11 +181,11 @@ class RdKafkaBackend(KafkaCluster, Backend):
     async def start(self) -> None:
         producer = Producer(
             {
-                **self._common,
-                "acks": "all",
-                "enable.idempotence": True,
                 "linger.ms": self.linger_ms,
                 "queue.buffering.max.messages": 1_000_000,
+                **self._common,  # the caller's settings may change the two above, not the two below
+                "acks": "all",
+                "enable.idempotence": True,
             }
         )
         # librdkafka connects lazily: ask for metadata once so that an unreachable broker
@@ -267,14 +268,17 @@ class RdKafkaBackend(KafkaCluster, Backend):
         batch = _Batch(asyncio.get_running_loop(), topic, len(records))
         physical = self.physical(topic)
         produce = self._producer.produce
-        for index, record in enumerate(records):
-            report = _reporter(batch, index)
-            while True:
-                try:
-                    produce(physical, record.value, record.key, record.partition, on_delivery=report)
-                    break
-                except BufferError:  # the local queue is full: let the broker catch up, keep the order
-                    await asyncio.sleep(0.01)
+        # One call at a time: a call that waits for room in the local queue must not let a
+        # later call's records in between its own.
+        async with self._in_order:
+            for index, record in enumerate(records):
+                report = _reporter(batch, index)
+                while True:
+                    try:
+                        produce(physical, record.value, record.key, record.partition, on_delivery=report)
+                        break
+                    except BufferError:  # the local queue is full: let the broker catch up
+                        await asyncio.sleep(0.01)
         return batch.future
 
     async def _take_scanner(self) -> Any:
