@@ -33,6 +33,7 @@ from confluent_kafka import (
     KafkaException,
     Producer,
     TopicPartition,
+    libversion,
 )
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
@@ -195,6 +196,7 @@ class RdKafkaBackend(KafkaCluster, Backend):
         except KafkaException as e:
             raise BackendUnavailable(f"cannot reach Kafka at {self.bootstrap}: {_error(e)}") from e
         self._producer = producer
+        _log.info("producing to %s with librdkafka %s", self.bootstrap, libversion()[0])
         self._delivering = True
         self._delivery = threading.Thread(target=self._deliver, name="agentlog-rdkafka-delivery", daemon=True)
         self._delivery.start()
