@@ -282,12 +282,16 @@ class KafkaBackend(KafkaCluster, Backend):
         return subscription
 
 
-class KafkaSubscription(Subscription, ConsumerRebalanceListener):  # type: ignore[misc]
-    """A kafka-python group consumer; the broker's group coordinator assigns partitions."""
+class KafkaGroupMember(Subscription):
+    """What both clients' group consumers share: the group, its topics, the partitions held.
+
+    Subclasses make ``_consumer`` in ``join`` (called in a thread); its ``assignment()``
+    lists objects with ``topic`` and ``partition``, and its ``close()`` leaves the group.
+    """
 
     def __init__(
         self,
-        backend: KafkaBackend,
+        backend: KafkaCluster,
         group: str,
         topics: Sequence[str],
         *,
@@ -299,8 +303,22 @@ class KafkaSubscription(Subscription, ConsumerRebalanceListener):  # type: ignor
         self.instance_id = instance_id
         self.topics = tuple(topics)
         self.from_beginning = from_beginning
-        self._held: set[tuple[str, int]] = set()
+        self._held: set[tuple[str, int]] = set()  # (physical topic, partition) before a rebalance
         self._consumer: Any = None
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return {(self.backend.logical(tp.topic), tp.partition) for tp in self._consumer.assignment()}
+
+    async def close(self) -> None:
+        if self._consumer is not None:
+            await asyncio.to_thread(self._consumer.close)
+            self._consumer = None
+
+
+class KafkaSubscription(KafkaGroupMember, ConsumerRebalanceListener):  # type: ignore[misc]
+    """A kafka-python group consumer; the broker's group coordinator assigns partitions."""
+
+    backend: KafkaBackend
 
     def join(self) -> None:
         # A new group with no committed offset starts at the beginning: an event log is read whole.
@@ -345,9 +363,6 @@ class KafkaSubscription(Subscription, ConsumerRebalanceListener):  # type: ignor
         }
         await asyncio.to_thread(self._consumer.commit, payload)
 
-    def assignment(self) -> set[tuple[str, int]]:
-        return {(self.backend.logical(tp.topic), tp.partition) for tp in self._consumer.assignment()}
-
     def seek(self, topic: str, partition: int, offset: int) -> bool:
         # Called between polls (kafka-python's consumer is not thread-safe, and poll runs in a
         # thread); records fetched earlier from the old position are discarded by its fetcher.
@@ -356,8 +371,3 @@ class KafkaSubscription(Subscription, ConsumerRebalanceListener):  # type: ignor
             return False
         self._consumer.seek(tp, offset)
         return True
-
-    async def close(self) -> None:
-        if self._consumer is not None:
-            await asyncio.to_thread(self._consumer.close)
-            self._consumer = None

@@ -40,7 +40,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from log import topics as topic_table
 from log.backend import Backend, OutRecord, Subscription
 from log.errors import BackendUnavailable
-from log.kafka_backend import KafkaCluster, one_partition_count, topic_configs
+from log.kafka_backend import KafkaCluster, KafkaGroupMember, one_partition_count, topic_configs
 from log.types import Position, RawRecord
 
 __all__ = ["RdKafkaBackend", "rdkafka_config"]
@@ -366,25 +366,10 @@ def _reporter(batch: _Batch, index: int) -> Any:
     return lambda err, msg: batch.report(index, err, msg)
 
 
-class RdKafkaSubscription(Subscription):
+class RdKafkaSubscription(KafkaGroupMember):
     """A librdkafka group consumer; the broker's group coordinator assigns partitions."""
 
-    def __init__(
-        self,
-        backend: RdKafkaBackend,
-        group: str,
-        topics: Sequence[str],
-        *,
-        from_beginning: bool,
-        instance_id: str | None = None,
-    ) -> None:
-        self.backend = backend
-        self.group = group
-        self.instance_id = instance_id
-        self.topics = tuple(topics)
-        self.from_beginning = from_beginning
-        self._held: set[tuple[str, int]] = set()
-        self._consumer: Any = None
+    backend: RdKafkaBackend
 
     def join(self) -> None:
         # As in kafka_backend: a new group starts at the beginning, a dead member's partitions
@@ -445,9 +430,6 @@ class RdKafkaSubscription(Subscription):
         except KafkaException as e:
             raise BackendUnavailable(f"commit of {self.group} failed: {_error(e)}") from e
 
-    def assignment(self) -> set[tuple[str, int]]:
-        return {(self.backend.logical(tp.topic), tp.partition) for tp in self._consumer.assignment()}
-
     def seek(self, topic: str, partition: int, offset: int) -> bool:
         # Called between polls. A partition assigned but not fetched yet cannot seek ("erroneous
         # state"): then the caller skips the records before ``offset`` itself.
@@ -460,11 +442,6 @@ class RdKafkaSubscription(Subscription):
             _log.info("cannot seek %s[%d] to %d yet: %s", topic, partition, offset, _error(e))
             return False
         return True
-
-    async def close(self) -> None:
-        if self._consumer is not None:
-            await asyncio.to_thread(self._consumer.close)
-            self._consumer = None
 
 
 def _take(consumer: Any, timeout_s: float, max_records: int) -> list[Any]:
