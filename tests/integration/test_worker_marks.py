@@ -21,9 +21,11 @@ payment held for an operator's approval. Then:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -305,9 +307,11 @@ async def lying_marks(
     assert reader.recovery.distrusted >= NUM_LONG and reader.recovery.from_snapshot == 0
 
 
-def run_world(
-    log_url: str, pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, kill: bool
-) -> None:
+@contextlib.contextmanager
+def world_with_engine(
+    log_url: str, pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[World]:
+    """A fresh namespace of the log and a sim engine process (the workers run in this process)."""
     monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
     ensure_topics(log_url, namespace=namespace)
     stack = Stack(log_url, tmp_path, time_scale=0.05)
@@ -318,12 +322,18 @@ def run_world(
     stack.start_process("engine")
     try:
         stack.wait_for_engine(30)
-        world = World(log_url, pg_url, namespace, stack.engine_url, tmp_path)
+        yield World(log_url, pg_url, namespace, stack.engine_url, tmp_path)
+    finally:
+        stack.stop()
+
+
+def run_world(
+    log_url: str, pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, kill: bool
+) -> None:
+    with world_with_engine(log_url, pg_url, namespace, tmp_path, monkeypatch) as world:
         report = asyncio.run(scenario(world, kill=kill))
         for role, (zero, marked, recovery) in report.items():
             print(f"{role}: {zero} records from offset 0, {marked} from marks ({recovery})")
-    finally:
-        stack.stop()
 
 
 @pytest.mark.parametrize("stop", ["clean", "kill"])
@@ -401,16 +411,5 @@ async def until_folded(world: World, log: SharedLog, session: str, check: Any, t
 def test_a_finished_session_restored_after_a_restart_is_loaded_when_its_restore_arrives(
     pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
-    ensure_topics(pg_url, namespace=namespace)
-    stack = Stack(pg_url, tmp_path, time_scale=0.05)
-    stack.work_dir.mkdir(parents=True, exist_ok=True)
-    from cli.stack import free_port
-
-    stack.engine_port = free_port()
-    stack.start_process("engine")
-    try:
-        stack.wait_for_engine(30)
-        asyncio.run(restore_after_restart(World(pg_url, pg_url, namespace, stack.engine_url, tmp_path)))
-    finally:
-        stack.stop()
+    with world_with_engine(pg_url, pg_url, namespace, tmp_path, monkeypatch) as world:
+        asyncio.run(restore_after_restart(world))
