@@ -325,9 +325,11 @@ class SessionWorker:
 
     async def _track_assignment(self, assignment: set[tuple[str, int]]) -> None:
         owned = {p for _, p in assignment}
-        for partition in sorted(owned - self._owned):
+        new = sorted(owned - self._owned)
+        ends = {topic: await self.log.end_offsets(topic) for topic in self.topics} if new else {}
+        for partition in new:
             for topic in self.topics:
-                self._boundary[(topic, partition)] = (await self.log.end_offsets(topic)).get(partition, 0)
+                self._boundary[(topic, partition)] = ends[topic].get(partition, 0)
         for partition in sorted(self._owned - owned):
             self._ready.discard(partition)
             self._marks.pop(partition, None)
