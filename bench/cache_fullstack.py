@@ -8,7 +8,7 @@ Run::
 One configuration runs through the real processes on a Kafka log (``cli.stack.Stack``:
 the sim engine ``workers.engines.sim_server``, the engine bridge, the planner, decider,
 executor and the cache manager worker, each its own process, time compressed by
-``--time-scale``): InferCept trace sessions (../shared/traces) requested with Poisson
+``--time-scale``): InferCept trace sessions (``traces/``) requested with Poisson
 arrivals. The engine's GPU holds ``--capacity`` of the workload's estimated peak
 working set (sessions' final contexts over their live intervals), the host as much.
 
@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from cli.common import ensure_topics
-from cli.demo import traces_dir
+from cli.data import INFERCEPT, trace_file
 from cli.sessions import summarize
 from cli.stack import Stack
 from log import SharedLog, open_log
@@ -74,7 +74,7 @@ from workers.cache_manager import INPUT_TOPICS, scaled
 
 
 def load_sessions(num: int, arrival_rate: float, seed: int) -> list[TraceSession]:
-    path = traces_dir() / "infercept_merged_exp_uniform.json"
+    path = trace_file(INFERCEPT)
     trace = from_infercept(json.loads(path.read_text()), arrival_rate_per_s=arrival_rate, rng=random.Random(seed))
     rng = random.Random(seed)
     chosen = sorted(rng.sample(range(len(trace.sessions)), min(num, len(trace.sessions))))

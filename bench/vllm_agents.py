@@ -7,7 +7,7 @@ Run::
 
 (``make bench-vllm``; about 1-2 minutes on 2 cores with the tiny model, ~40 s of it starting vLLM.)
 
-**Workload.** InferCept trace sessions (``../shared/traces``), contexts capped at 960 tokens
+**Workload.** InferCept trace sessions (``traces/``), contexts capped at 960 tokens
 (the tiny model's window is 1024), Poisson arrivals at ``--rate`` sessions per trace second.
 Each session is driven like an agent: turn i's prompt is its whole context (the shared system
 prompt, each turn's new tokens, **the tokens vLLM actually generated**, each tool's result

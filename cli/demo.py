@@ -2,7 +2,7 @@
 
 It starts the embedded log (or uses ``--log-url``), the simulated engine, a
 planner, a decider and an executor as separate processes, imports sessions of
-the InferCept trace (../shared/traces) with tool time compressed, requests
+the InferCept trace (shipped in ``traces/``) with tool time compressed, requests
 them with Poisson arrivals, shows progress, and prints what happened: sessions,
 LLM and tool calls, job times, and prefill tokens computed vs served from the
 KV cache. Everything it reports is read back from the log.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 import urllib.request
@@ -22,42 +21,48 @@ from typing import Any
 
 import typer
 
+from cli.data import INFERCEPT, trace_file
 from cli.sessions import summarize
 from cli.stack import Stack
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
-
-def traces_dir() -> Path:
-    """Where the shared traces are: ``AGENTLOG_TRACES_DIR``, else ``../shared/traces`` beside the repository."""
-    configured = os.environ.get("AGENTLOG_TRACES_DIR")
-    return Path(configured) if configured else REPO_ROOT.parent / "shared" / "traces"
-
-
-def load_infercept(num_sessions: int, arrival_rate: float, seed: int) -> list[dict[str, Any]]:
+def load_infercept(
+    num_sessions: int, arrival_rate: float, seed: int, trace: Path | None = None
+) -> list[dict[str, Any]]:
     """``num_sessions`` InferCept sessions in the project trace format, in trace time.
+
+    ``trace`` is the InferCept file (default: the one in ``cli.data.traces_dir()``).
 
     Time is compressed by the processes (``--time-scale``: the executor's waits, the
     engine's compute), not here, so the log records trace-time durations.
     """
     from services.traces.infercept import from_infercept
 
-    path = traces_dir() / "infercept_merged_exp_uniform.json"
-    if not path.exists():
-        raise typer.BadParameter(f"{path} not found: set AGENTLOG_TRACES_DIR to the folder of the shared traces")
-    trace = from_infercept(json.loads(path.read_text()), arrival_rate_per_s=arrival_rate, rng=random.Random(seed))
+    try:
+        path = trace if trace is not None else trace_file(INFERCEPT)
+    except FileNotFoundError as e:
+        raise typer.BadParameter(str(e)) from None
+    if not path.is_file():
+        raise typer.BadParameter(f"trace {path} not found")
+    loaded = from_infercept(json.loads(path.read_text()), arrival_rate_per_s=arrival_rate, rng=random.Random(seed))
     rng = random.Random(seed)
-    chosen = sorted(rng.sample(range(len(trace.sessions)), min(num_sessions, len(trace.sessions))))
-    return [trace.sessions[i].to_dict() for i in chosen]
+    chosen = sorted(rng.sample(range(len(loaded.sessions)), min(num_sessions, len(loaded.sessions))))
+    return [loaded.sessions[i].to_dict() for i in chosen]
 
 
 def run_demo(
-    log_url: str | None, num_sessions: int, time_scale: float, arrival_rate: float, seed: int, work_dir: Path
+    log_url: str | None,
+    num_sessions: int,
+    time_scale: float,
+    arrival_rate: float,
+    seed: int,
+    work_dir: Path,
+    trace: Path | None = None,
 ) -> dict[str, Any]:
     from cli.agents import _run
     from cli.common import ensure_topics
 
-    sessions = load_infercept(num_sessions, arrival_rate, seed)
+    sessions = load_infercept(num_sessions, arrival_rate, seed, trace)
     ensure_topics(log_url)
     run_id = uuid.uuid4().hex[:6]
     requests = [(f"demo-{run_id}-{s['session_id'][:8]}", "trace", {"session": s}) for s in sessions]

@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import uuid
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -113,6 +114,10 @@ def demo(
     time_scale: Annotated[float, typer.Option(help="Compress tool and engine time (0.01 = 100x faster)")] = 0.01,
     arrival_rate: Annotated[float, typer.Option(help="Session arrivals per second of trace time")] = 0.2,
     seed: Annotated[int, typer.Option(help="Which sessions, which arrivals")] = 0,
+    trace: Annotated[
+        Path | None,
+        typer.Option(help="InferCept trace file (default: traces/infercept_merged_exp_uniform.json, shipped)"),
+    ] = None,
     as_json: Json = False,
 ) -> None:
     """The main job: InferCept trace sessions through the planner, decider, executor and sim engine."""
@@ -122,7 +127,7 @@ def demo(
     typer.echo(
         f"agentlog demo: {sessions} InferCept sessions, time x{time_scale:g}, on {log_url or 'the embedded log'}"
     )
-    result = run_demo(log_url, sessions, time_scale, arrival_rate, seed, data_dir() / "runs")
+    result = run_demo(log_url, sessions, time_scale, arrival_rate, seed, data_dir() / "runs", trace)
     if as_json:
         typer.echo(json.dumps({**result, "summary": result["summary"].__dict__}))
     else:
