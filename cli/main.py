@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import sys
@@ -31,6 +32,21 @@ branches.register(app)
 app.command()(audit.verify)
 app.command()(audit.audit)
 app.add_typer(trace_app, name="trace", help="Import, generate and describe agent traces (docs/trace-format.md).")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"logctl (agentlog) {importlib.metadata.version('agentlog')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit")
+    ] = False,
+) -> None:
+    """Operate agentlog: the event-sourced control plane for LLM agents."""
 
 
 @app.command()

@@ -19,6 +19,13 @@ def data_dir() -> Path:
     return Path(configured) if configured else Path(platformdirs.user_data_dir("agentlog"))
 
 
+def user_cache_dir() -> Path:
+    """Where agentlog keeps what it downloads once (the Kafka jars): ``AGENTLOG_CACHE_DIR``, else
+    the platform's user cache directory (``~/.cache/agentlog`` on Linux)."""
+    configured = os.environ.get("AGENTLOG_CACHE_DIR")
+    return Path(configured) if configured else Path(platformdirs.user_cache_dir("agentlog"))
+
+
 def start_embedded(pgdata: Path | None = None) -> str:
     """Attach to the embedded server, starting it if it is not running; returns its URL.
 

@@ -1,7 +1,10 @@
 """A real single-node Apache Kafka (KRaft) broker for tests and CI, without Docker.
 
 The broker runs from Kafka's Maven Central jars, which Maven resolves once from
-``.ci/kafka/pom.xml`` into ``.cache/kafka/libs``. Needs Java 17+ (and Maven, once).
+``log/broker/pom.xml`` (shipped in the package) into the user's cache directory
+(``AGENTLOG_CACHE_DIR``, else the platform's, e.g. ``~/.cache/agentlog``), under
+``kafka/libs``: an installed wheel starts a broker as a checkout does. Needs Java 17+
+(and Maven, once).
 
 Library use::
 
@@ -58,11 +61,12 @@ from kafka.admin import KafkaAdminClient  # type: ignore[import-untyped,unused-i
 from kafka.errors import KafkaError  # type: ignore[import-untyped,unused-ignore]
 
 from log.acls import ADMIN, PRINCIPALS
+from log.embedded import user_cache_dir
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-POM_FILE = REPO_ROOT / ".ci" / "kafka" / "pom.xml"
-LOG4J_CONFIG = REPO_ROOT / ".ci" / "kafka" / "log4j2.properties"
-DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "kafka"
+BROKER_FILES = Path(__file__).resolve().parent / "broker"
+POM_FILE = BROKER_FILES / "pom.xml"
+LOG4J_CONFIG = BROKER_FILES / "log4j2.properties"
+DEFAULT_CACHE_DIR = user_cache_dir() / "kafka"
 # kafka-server-start.sh defaults to 1 GiB; 512 MiB is plenty for tests once the log
 # cleaner's dedupe buffer is shrunk (see properties()).
 DEFAULT_HEAP = ("-Xms256m", "-Xmx512m")
@@ -104,8 +108,12 @@ def resolve_jars(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
         if marker.is_file() and marker.read_text().strip() == digest:
             return libs
         shutil.rmtree(libs, ignore_errors=True)  # stale or half-copied
+        # Maven works beside its pom (target/): a copy in the cache, not the package's own
+        # file, which may sit in a read-only site-packages.
+        pom = cache_dir / "pom.xml"
+        shutil.copyfile(POM_FILE, pom)
         cmd = [
-            mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(POM_FILE), _MVN_GOAL,
+            mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(pom), _MVN_GOAL,
             "-DincludeScope=runtime", f"-DoutputDirectory={libs}",
         ]  # fmt: skip
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)

@@ -33,7 +33,13 @@ def kafka_backend(bootstrap: str, *, namespace: str = "", client_config: dict[st
 
         return KafkaBackend(bootstrap, namespace=namespace, client_config=client_config)
     if client == "rdkafka":
-        from log.rdkafka_backend import RdKafkaBackend
+        try:
+            from log.rdkafka_backend import RdKafkaBackend
+        except ModuleNotFoundError as e:
+            if e.name != "confluent_kafka":
+                raise
+            msg = f"{ENV_KAFKA_CLIENT}=rdkafka needs librdkafka's client: pip install 'agentlog[rdkafka]'"
+            raise ValueError(msg) from None
 
         return RdKafkaBackend(bootstrap, namespace=namespace, client_config=client_config)
     raise ValueError(f"{ENV_KAFKA_CLIENT}={client!r}: use one of {', '.join(KAFKA_CLIENTS)}")
