@@ -17,9 +17,9 @@ from log.types import Clock, system_clock
 
 ENV_URL = "AGENTLOG_LOG_URL"
 COMPOSE_KAFKA_URL = "kafka://localhost:9092"
-"""The broker of docker-compose.yml, as seen from the host."""
-COMPOSE_PG_URL = "postgresql://agentlog:agentlog@localhost:5432/agentlog"
-"""The Postgres of docker-compose.yml, as seen from the host."""
+"""The broker of docker-compose.yml, as seen from the host (SASL: each principal's password is in .env)."""
+COMPOSE_PG_URL = "postgresql://agentlog@localhost:5432/agentlog"
+"""The Postgres of docker-compose.yml, as seen from the host (its password: AGENTLOG_POSTGRES_PASSWORD of .env)."""
 ENV_NAMESPACE = "AGENTLOG_NAMESPACE"
 ENV_KAFKA_CLIENT = "AGENTLOG_KAFKA_CLIENT"
 KAFKA_CLIENTS = ("python", "rdkafka")

@@ -1,7 +1,8 @@
-"""docker-compose.yml agrees with the project's defaults (no Docker needed to check that)."""
+"""docker-compose.yml agrees with the project's code and defaults (no Docker needed to check that)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -9,12 +10,20 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from log import topics as topic_table
+from log.acls import BY_PRINCIPAL, PRINCIPALS
 from log.topics import DEFAULT_PARTITIONS
 from log.urls import COMPOSE_KAFKA_URL, COMPOSE_PG_URL
 
 pytestmark = pytest.mark.unit
 
-COMPOSE = Path(__file__).resolve().parents[2] / "docker-compose.yml"
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+ROLES = {"engine", "planner", "decider", "executor", "cache-manager", "engine-bridge", "logctl"}
+
+
+def password_variable(principal: str) -> str:
+    return "AGENTLOG_PASSWORD_" + principal.upper().replace("-", "_")
 
 
 @pytest.fixture(scope="module")
@@ -23,19 +32,19 @@ def services() -> dict[str, Any]:
     return data["services"]  # type: ignore[no-any-return]
 
 
-def host_ports(service: dict[str, Any]) -> dict[int, int]:
-    """host port -> container port."""
-    out = {}
-    for mapping in service["ports"]:
-        host, container = str(mapping).split(":")[-2:]
-        out[int(host)] = int(container)
-    return out
+def agentlog_services(services: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The services that run the project's image as a Kafka principal."""
+    return {
+        name: s
+        for name, s in services.items()
+        if s["image"].startswith("${AGENTLOG_IMAGE") and "AGENTLOG_KAFKA_USERNAME" in s.get("environment", {})
+    }
 
 
 def test_kafka_is_the_pinned_kraft_single_node(services: dict[str, Any]) -> None:
     kafka = services["kafka"]
     env = kafka["environment"]
-    assert kafka["image"] == "apache/kafka:4.1.1"
+    assert kafka["image"] == "${AGENTLOG_KAFKA_IMAGE:-apache/kafka:4.1.1}"
     assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"
     assert env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false", "topics come from logctl init only"
     assert int(env["KAFKA_NUM_PARTITIONS"]) == DEFAULT_PARTITIONS
@@ -44,43 +53,87 @@ def test_kafka_is_the_pinned_kraft_single_node(services: dict[str, Any]) -> None
     assert "healthcheck" in kafka
 
 
+def test_kafka_is_secure_by_default_with_every_principal(services: dict[str, Any]) -> None:
+    env = services["kafka"]["environment"]
+    assert "profiles" not in services["kafka"]
+    assert env["KAFKA_AUTHORIZER_CLASS_NAME"] == "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+    assert env["KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND"] == "false" and env["KAFKA_SUPER_USERS"] == "User:admin"
+    protocols = dict(p.split(":") for p in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(","))
+    assert set(protocols.values()) == {"SASL_PLAINTEXT"}, "no plaintext listener in the default stack"
+    for listener in protocols:
+        jaas = env[f"KAFKA_LISTENER_NAME_{listener}_PLAIN_SASL_JAAS_CONFIG"]
+        for principal in ("admin",) if listener == "CONTROLLER" else PRINCIPALS:
+            # every password is a mandatory variable: a missing one stops compose, never an empty login
+            assert re.search(rf'user_{principal}="\$\{{{password_variable(principal)}:\?[^}}]+\}}"', jaas), principal
+
+
 def test_kafka_port_matches_the_default_url(services: dict[str, Any]) -> None:
     url = urlsplit(COMPOSE_KAFKA_URL.replace("kafka://", "http://"))
-    kafka = services["kafka"]
-    ports = host_ports(kafka)
-    assert url.port in ports
-    advertised = kafka["environment"]["KAFKA_ADVERTISED_LISTENERS"]
-    assert f"//{url.hostname}:{url.port}" in advertised
-    listener = next(part for part in advertised.split(",") if f":{url.port}" in part).split(":")[0]
-    assert f"{listener}://:{ports[url.port]}" in kafka["environment"]["KAFKA_LISTENERS"]
+    env = services["kafka"]["environment"]
+    port = f"${{AGENTLOG_KAFKA_PORT:-{url.port}}}"
+    assert services["kafka"]["ports"] == [f"{port}:{port}"]
+    assert f"HOST://{url.hostname}:{port}" in env["KAFKA_ADVERTISED_LISTENERS"]
+    assert f"HOST://:{port}" in env["KAFKA_LISTENERS"]
 
 
-def test_postgres_matches_the_default_url(services: dict[str, Any]) -> None:
+def test_postgres_matches_the_default_url_and_its_password_is_a_variable(services: dict[str, Any]) -> None:
     url = urlsplit(COMPOSE_PG_URL)
     postgres = services["postgres"]
     env = postgres["environment"]
-    assert url.port in host_ports(postgres) and host_ports(postgres)[url.port] == 5432
-    assert (env["POSTGRES_USER"], env["POSTGRES_PASSWORD"], env["POSTGRES_DB"]) == (
-        url.username,
-        url.password,
-        url.path.lstrip("/"),
-    )
+    assert postgres["ports"] == [f"${{AGENTLOG_POSTGRES_PORT:-{url.port}}}:5432"]
+    assert (env["POSTGRES_USER"], env["POSTGRES_DB"]) == (url.username, url.path.lstrip("/"))
+    assert env["POSTGRES_PASSWORD"].startswith("${AGENTLOG_POSTGRES_PASSWORD:?")
     assert "pg_isready" in " ".join(postgres["healthcheck"]["test"])
 
 
-def test_secure_kafka_enforces_the_roles(services: dict[str, Any]) -> None:
-    from log.acls import PRINCIPALS
-
-    secure = services["kafka-secure"]
-    env = secure["environment"]
-    assert secure["profiles"] == ["secure"] and secure["image"] == "apache/kafka:4.1.1"
-    assert env["KAFKA_AUTHORIZER_CLASS_NAME"] == "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
-    assert env["KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND"] == "false" and env["KAFKA_SUPER_USERS"] == "User:admin"
-    assert set(env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(",")) == {
-        "CLIENT:SASL_PLAINTEXT",
-        "CONTROLLER:SASL_PLAINTEXT",
+def test_each_process_is_its_own_principal_and_writes_only_its_topic(services: dict[str, Any]) -> None:
+    processes = agentlog_services(services)
+    expected = {
+        "init": "admin",
+        "planner": "planner",
+        "decider": "decider",
+        "executor": "executor",
+        "cache-manager": "cache-manager",
+        "engine-bridge": "engine-bridge",
+        "vllm-bridge": "engine-bridge",
+        "logctl": "operator",
     }
-    jaas = env["KAFKA_LISTENER_NAME_CLIENT_PLAIN_SASL_JAAS_CONFIG"]
-    for principal in PRINCIPALS:  # every principal of log/acls.py can log in, with a password from the environment
-        variable = "AGENTLOG_PASSWORD_" + principal.upper().replace("-", "_")
-        assert f'user_{principal}="${{{variable}}}"' in jaas
+    assert {name: s["environment"]["AGENTLOG_KAFKA_USERNAME"] for name, s in processes.items()} == expected
+    for name, s in processes.items():
+        principal = s["environment"]["AGENTLOG_KAFKA_USERNAME"]
+        assert s["environment"]["AGENTLOG_KAFKA_PASSWORD"].startswith(f"${{{password_variable(principal)}:?"), name
+        if principal in BY_PRINCIPAL and name not in ("logctl",):
+            owned = [t.name for t in topic_table.TOPICS if t.owner == principal]
+            assert len(owned) == 1, f"{principal} owns {owned}"
+
+
+def test_workers_restart_and_wait_for_init_and_their_dependencies(services: dict[str, Any]) -> None:
+    for name in ("planner", "decider", "executor", "cache-manager", "engine-bridge"):
+        s = services[name]
+        assert s["restart"] == "unless-stopped", name
+        assert s["depends_on"]["init"] == {"condition": "service_completed_successfully"}, name
+        assert s["depends_on"]["postgres"] == {"condition": "service_healthy"}, name
+        assert s["command"][0] in ROLES, f"{name}: {s['command'][0]} is not a role of docker/entrypoint.sh"
+    for name in ("planner", "engine-bridge"):
+        assert services[name]["depends_on"]["engine"] == {"condition": "service_healthy"}
+    assert services["init"]["restart"] == "no" and services["init"]["command"][:2] == ["logctl", "init"]
+    assert "--secure" in services["init"]["command"]
+    assert "healthcheck" in services["engine"]
+
+
+def test_the_entrypoint_knows_every_role_the_file_uses(services: dict[str, Any]) -> None:
+    entrypoint = (ROOT / "docker" / "entrypoint.sh").read_text()
+    for role in ROLES:
+        assert re.search(rf"^\s+{re.escape(role)}\)", entrypoint, re.M), role
+
+
+def test_compose_env_writes_every_password_the_file_needs() -> None:
+    needed = set(re.findall(r"\$\{(AGENTLOG_[A-Z_]+(?:PASSWORD|TOKEN)[A-Z_]*)", COMPOSE.read_text()))
+    script = (ROOT / "scripts" / "compose_env.sh").read_text()
+    principals = set(re.search(r"for principal in ([A-Z_ ]+);", script).group(1).split())  # type: ignore[union-attr]
+    written = {f"AGENTLOG_PASSWORD_{p}" for p in principals} | {
+        "AGENTLOG_POSTGRES_PASSWORD",
+        "AGENTLOG_VLLM_CONTROL_TOKEN",
+    }
+    assert needed <= written
+    assert {password_variable(p) for p in PRINCIPALS} <= written

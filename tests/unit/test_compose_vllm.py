@@ -27,7 +27,7 @@ def option(command: list[str], name: str) -> str:
 def test_vllm_runs_the_projects_scheduler_with_kv_events_on_the_shared_volume(services: dict[str, Any]) -> None:
     vllm = services["vllm"]
     assert vllm["profiles"] == ["vllm"], "a GPU service: only with --profile vllm"
-    assert vllm["image"].startswith("vllm/vllm-openai:")
+    assert vllm["image"].startswith("${AGENTLOG_VLLM_IMAGE:-vllm/vllm-openai:")
     scheduler = option(vllm["command"], "--scheduler-cls")
     module, cls = scheduler.rsplit(".", 1)
     assert (ROOT / (module.replace(".", "/") + ".py")).exists() and f"class {cls}(" in (
@@ -43,13 +43,14 @@ def test_vllm_runs_the_projects_scheduler_with_kv_events_on_the_shared_volume(se
     devices = vllm["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
 
-    bridge = services["engine-bridge"]
-    command = bridge["command"][-1]
+    bridge = services["vllm-bridge"]
+    assert bridge["profiles"] == ["vllm"]
+    command = bridge["command"]
     assert f"--kv-events {events['endpoint']}" in command
     assert f"--kv-replay {events['replay_endpoint']}" in command
     assert f"--control {vllm['environment']['AGENTLOG_VLLM_CONTROL']}" in command
     assert bridge["environment"]["AGENTLOG_VLLM_CONTROL_TOKEN"] == vllm["environment"]["AGENTLOG_VLLM_CONTROL_TOKEN"]
     named = {v.split(":")[0] for v in vllm["volumes"]} & {v.split(":")[0] for v in bridge["volumes"]}
     assert {n for n in named if not n.startswith(".")} == {"vllm-run"}, "the sockets' volume is shared by these two"
-    others = [name for name, s in services.items() if name not in ("vllm", "engine-bridge")]
+    others = [name for name, s in services.items() if name not in ("vllm", "vllm-bridge")]
     assert all("vllm-run" not in str(services[name].get("volumes", [])) for name in others)
