@@ -1,9 +1,12 @@
 """What a storage backend must provide: raw records in partitioned, append-only topics.
 
 Backends know nothing of envelopes, chains or actors; ``log.shared_log``
-builds all of that once on top of this interface. Two implementations:
-``log.kafka_backend`` (production) and ``log.postgres_backend`` (the embedded
-default). Both pass the contract suite in ``tests/contract``.
+builds all of that once on top of this interface. The implementations:
+``log.kafka_backend`` and ``log.rdkafka_backend`` (production, on two Kafka
+clients), ``log.postgres_backend`` (the embedded default) and
+``log.memory_backend`` (one process's memory: unit tests, golden logs,
+one-process tools; ``memory:NAME``). All pass the contract suite in
+``tests/contract``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 - ``kafka://host:port[,host:port...]``: the Kafka backend (production), on kafka-python, or
   on librdkafka when ``AGENTLOG_KAFKA_CLIENT=rdkafka`` (``log.rdkafka_backend``);
 - ``postgresql://...``: a Postgres server of your own;
-- nothing (or ``embedded``): the embedded Postgres default, started on demand.
+- nothing (or ``embedded``): the embedded Postgres default, started on demand;
+- ``memory:NAME`` (or ``memory``, the store named ``default``): an in-memory log that only
+  this process sees (``log.memory_backend``), shared by every backend opened on that name.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def backend_for(url: str | None, *, namespace: str | None = None) -> Backend:
     """The backend a URL names (see the module docstring).
 
     ``namespace`` (or ``AGENTLOG_NAMESPACE``) keeps several logs apart on one
-    server: a topic prefix on Kafka, a schema on Postgres.
+    server: a topic prefix on Kafka, a schema on Postgres, a store of its own in memory.
     """
     url = url or os.environ.get(ENV_URL) or "embedded"
     namespace = namespace if namespace is not None else os.environ.get(ENV_NAMESPACE, "")
@@ -64,7 +66,11 @@ def backend_for(url: str | None, *, namespace: str | None = None) -> Backend:
         from log.postgres_backend import PostgresBackend
 
         return PostgresBackend(start_embedded(), namespace=namespace)
-    raise ValueError(f"unsupported log URL {url!r}: use kafka://host:port, postgresql://... or embedded")
+    if url == "memory" or (url.startswith("memory:") and not url.startswith("memory://")):
+        from log.memory_backend import MemoryBackend, named_store
+
+        return MemoryBackend(named_store(url.removeprefix("memory").removeprefix(":") or "default", namespace))
+    raise ValueError(f"unsupported log URL {url!r}: use kafka://host:port, postgresql://..., embedded or memory:NAME")
 
 
 def open_log(url: str | None, *, actor: str, clock: Clock = system_clock, namespace: str | None = None) -> SharedLog:
