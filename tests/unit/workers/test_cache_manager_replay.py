@@ -8,9 +8,12 @@ kv.decisions partition (see workers/cache_manager.py).
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from log import Draft, LoggedEvent, Position, SharedLog, backend_for
+from log import Draft, LoggedEvent, Position, SharedLog
+from log.memory_backend import MemoryBackend
 from schemas import events as ev
 from schemas.events import CacheAction
 from services.cache.manager import ManagerConfig
@@ -22,9 +25,22 @@ pytestmark = pytest.mark.unit
 ACTIONS = "agent.actions"
 
 
-def worker(time_scale: float = 1.0, num_partitions: int = 1) -> CacheManagerWorker:
-    log = SharedLog(backend_for("kafka://127.0.0.1:1"), actor="cache-manager")  # never started: no I/O here
-    log.num_partitions = num_partitions  # what start() would read from the broker
+def memory_log(num_partitions: int, backend: MemoryBackend | None = None) -> SharedLog:
+    """The cache manager's SharedLog, started, on a fresh in-memory log (call outside an event loop)."""
+    log = SharedLog(backend or MemoryBackend(), actor="cache-manager")
+
+    async def start() -> SharedLog:
+        await log.backend.start()
+        await log.backend.create_topics(num_partitions)
+        return await log.start()
+
+    return asyncio.run(start())
+
+
+def worker(
+    time_scale: float = 1.0, num_partitions: int = 1, backend: MemoryBackend | None = None
+) -> CacheManagerWorker:
+    log = memory_log(num_partitions, backend)
     return CacheManagerWorker(log, config=ManagerConfig(gpu_total_blocks=1000), time_scale=time_scale)
 
 
