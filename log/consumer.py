@@ -29,6 +29,11 @@ partition is first read, where to start (``StartAt``) instead of offset 0:
 So every record handed out is verified against its whole chain as seen from
 offset 0 or from a seed; what a wrong start can cost is records never handed
 out, which is what the caller vouches for (like a committed offset).
+
+A consumer reads through a ``ConsumedLog``: the backend, the codec, the
+partitioner and the dead-letter writer. The ``SharedLog`` is one (its
+``consumer()`` makes consumers on itself); this module does not import it, so
+the writer side depends on the consumer and not the other way round.
 """
 
 from __future__ import annotations
@@ -36,18 +41,34 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from log import topics as topic_table
-from log.backend import Subscription
+from log.backend import Backend, Subscription
 from log.chain import ChainVerifier
+from log.codec import Codec
 from log.errors import RecordError
 from log.types import ConsumerStats, LoggedEvent, Position, RawRecord
 from schemas.envelope import Envelope
 from schemas.events import KVAllBlocksCleared
 
-if TYPE_CHECKING:
-    from log.shared_log import SharedLog
+
+class ConsumedLog(Protocol):
+    """What a consumer needs of the log it reads (``SharedLog`` is one)."""
+
+    @property
+    def backend(self) -> Backend:
+        """Where records are read (and consumer groups live)."""
+
+    @property
+    def codec(self) -> Codec:
+        """Decodes records."""
+
+    def partition_for(self, session_id: str) -> int:
+        """The partition of a session (to tell which chains a partition holds)."""
+
+    async def dead_letter(self, record: RawRecord, error: RecordError, group: str) -> Position | None:
+        """Set a bad record aside with the reason (None: this reader may not write the DLQ)."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +140,7 @@ class EventConsumer:
 
     def __init__(
         self,
-        log: SharedLog,
+        log: ConsumedLog,
         group: str,
         topics: Sequence[str],
         *,
