@@ -21,5 +21,6 @@ umask 077
   done
   echo "AGENTLOG_POSTGRES_PASSWORD=$(secret)"
   echo "AGENTLOG_VLLM_CONTROL_TOKEN=$(secret)"
+  echo "AGENTLOG_GRAFANA_PASSWORD=$(secret)"
 } > "$file"
 echo "wrote $file"

@@ -134,6 +134,32 @@ def test_compose_env_writes_every_password_the_file_needs() -> None:
     written = {f"AGENTLOG_PASSWORD_{p}" for p in principals} | {
         "AGENTLOG_POSTGRES_PASSWORD",
         "AGENTLOG_VLLM_CONTROL_TOKEN",
+        "AGENTLOG_GRAFANA_PASSWORD",
     }
     assert needed <= written
     assert {password_variable(p) for p in PRINCIPALS} <= written
+
+
+def test_prometheus_scrapes_every_process_that_serves_metrics(services: dict[str, Any]) -> None:
+    config = yaml.safe_load((ROOT / "docker" / "observability" / "prometheus.yml").read_text())
+    targets = set(config["scrape_configs"][0]["static_configs"][0]["targets"])
+    serving = {
+        f"{name}:{s['environment']['AGENTLOG_METRICS_PORT']}"
+        for name, s in services.items()
+        if "AGENTLOG_METRICS_PORT" in s.get("environment", {}) and "profiles" not in s and name != "init"
+    }
+    assert serving and targets == serving
+
+
+def test_the_dashboard_queries_only_documented_metrics() -> None:
+    import json
+
+    dashboard = json.loads((ROOT / "docker" / "observability" / "grafana" / "dashboards" / "agentlog.json").read_text())
+    documented = set(re.findall(r"^\| `(agentlog_[a-z_]+)`", (ROOT / "docs" / "metrics.md").read_text(), re.M))
+    used = {
+        name.removesuffix("_bucket")
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"agentlog_[a-z_]+", target["expr"])
+    }
+    assert used and used <= documented, used - documented
