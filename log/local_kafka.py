@@ -514,7 +514,14 @@ def _read_properties(path: Path) -> dict[str, str]:
 
 
 def _check_free(port: int) -> None:
+    """Refuse a port someone listens on, as Kafka's own bind would.
+
+    Kafka (the JVM) binds its listeners with SO_REUSEADDR, so connections of a broker that
+    was just killed, still in TIME_WAIT on the port, do not stop it; the probe binds the same
+    way, or a restart right after a crash would be refused for a minute.
+    """
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((HOST, port))
         except OSError as e:
