@@ -39,6 +39,7 @@ from log.errors import (
     UnknownFingerprint,
     UnknownSession,
     UnknownTopic,
+    UnsupportedLogUrl,
 )
 from log.shared_log import SharedLog
 from log.topics import TOPICS, Topic
@@ -80,6 +81,7 @@ __all__ = [
     "UnknownFingerprint",
     "UnknownSession",
     "UnknownTopic",
+    "UnsupportedLogUrl",
     "backend_for",
     "open_log",
     "system_clock",

@@ -98,6 +98,10 @@ class UnknownTopic(AgentLogError):
     """The topic is not one of the log's topics (see log.topics)."""
 
 
+class UnsupportedLogUrl(AgentLogError, ValueError):
+    """The log URL names no backend (see log.urls)."""
+
+
 class RetryableError(AgentLogError):
     """A transient failure: the same call may succeed later."""
 

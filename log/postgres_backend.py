@@ -33,6 +33,7 @@ import asyncpg
 from log import topics as topic_table
 from log.backend import Backend, OutRecord, Subscription
 from log.errors import BackendUnavailable, ConcurrentWriter
+from log.redact import redact
 from log.types import Position, RawRecord
 
 _log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class PostgresBackend(Backend):
                 self.dsn, min_size=1, max_size=4, server_settings=self.server_settings
             )
         except (OSError, asyncpg.PostgresError) as e:
-            raise BackendUnavailable(f"cannot connect to Postgres at {self.dsn}: {e}") from e
+            raise BackendUnavailable(f"cannot connect to Postgres at {redact(self.dsn)}: {redact(str(e))}") from e
 
     async def close(self) -> None:
         if self._pool is not None:

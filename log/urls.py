@@ -14,6 +14,8 @@ import os
 from typing import Any
 
 from log.backend import Backend
+from log.errors import UnsupportedLogUrl
+from log.redact import redact
 from log.shared_log import SharedLog
 from log.types import Clock, system_clock
 
@@ -70,7 +72,9 @@ def backend_for(url: str | None, *, namespace: str | None = None) -> Backend:
         from log.memory_backend import MemoryBackend, named_store
 
         return MemoryBackend(named_store(url.removeprefix("memory").removeprefix(":") or "default", namespace))
-    raise ValueError(f"unsupported log URL {url!r}: use kafka://host:port, postgresql://..., embedded or memory:NAME")
+    raise UnsupportedLogUrl(
+        f"unsupported log URL {redact(url)!r}: use kafka://host:port, postgresql://..., embedded or memory:NAME"
+    )
 
 
 def open_log(url: str | None, *, actor: str, clock: Clock = system_clock, namespace: str | None = None) -> SharedLog:
