@@ -13,7 +13,9 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.common import Json, LogUrl, ensure_topics
+from cli.common import Json, LogUrl, ensure_topics, require_session
+from cli.errors import BAD_INPUT, TIMED_OUT, CliError, fail
+from cli.render import to_json
 from cli.sessions import SessionBook, read_sessions, replay_check, summarize
 from log import open_log
 from schemas import events as ev
@@ -108,12 +110,36 @@ def run(
     timeout_s: Annotated[float, typer.Option("--timeout", help="Give up waiting after this many seconds")] = 600,
     as_json: Json = False,
 ) -> None:
-    """Start N sessions of a program or of a trace file's sessions (asks the planner via ops.commands)."""
-    requests = session_requests(program, sessions, json.loads(args), prefix or f"run-{uuid.uuid4().hex[:6]}")
+    """Start N sessions of a program or of a trace file's sessions (asks the planner via ops.commands).
+
+    Exits 2 when ``--timeout`` passes before every session finished (the summary is printed first).
+    """
+    requests = session_requests(program, sessions, program_args(args), prefix or f"run-{uuid.uuid4().hex[:6]}")
     book = asyncio.run(_run(log_url, requests, wait, timeout_s, quiet=as_json))
     if as_json:
         summary = summarize(book.records[s] for s, _, _ in requests if s in book.records)
-        typer.echo(json.dumps(summary.__dict__))
+        typer.echo(to_json(summary.__dict__))
+    unfinished = [s for s, _, _ in requests if s not in book.records or not book.records[s].state.finished]
+    if wait and unfinished:
+        raise fail(
+            f"{len(unfinished)} of {len(requests)} sessions did not finish within {timeout_s:g} s "
+            f"({unfinished[0]} ...): is every worker running (logctl up)? logctl sessions shows where they are",
+            TIMED_OUT,
+        )
+
+
+def program_args(text: str) -> dict[str, Any]:
+    """``--args``: a JSON object (the program's arguments)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CliError(f"--args is not JSON ({e}): {_ARGS_HINT}", BAD_INPUT) from e
+    if not isinstance(value, dict):
+        raise CliError(f"--args must be a JSON object, not a {type(value).__name__}: {_ARGS_HINT}", BAD_INPUT)
+    return value
+
+
+_ARGS_HINT = """give a JSON object, e.g. --args '{"steps": []}'"""
 
 
 def session_requests(
@@ -121,10 +147,14 @@ def session_requests(
 ) -> list[tuple[str, str, dict[str, Any]]]:
     """(session id, program, args) for each session to start."""
     if program.endswith(".jsonl"):
-        from services.traces.model import Trace
+        from services.traces.model import Trace, TraceFormatError
 
-        lines = Path(program).read_text().splitlines()
-        trace = Trace.from_json_lines(lines)
+        try:
+            trace = Trace.from_json_lines(Path(program).read_text().splitlines())
+        except OSError as e:
+            raise CliError(f"cannot read the trace {program}: {e.strerror}", BAD_INPUT) from e
+        except TraceFormatError as e:
+            raise CliError(f"{program} is not a trace (docs/trace-format.md): {e}", BAD_INPUT) from e
         chosen = trace.sessions[:count]
         return [(f"{prefix}-{s.session_id}", "trace", {"session": s.to_dict()}) for s in chosen]
     if program not in PROGRAMS:
@@ -198,7 +228,7 @@ def sessions(
     records = sorted(book.records.values(), key=lambda r: r.requested_at or r.last_event_at or 0)[-limit:]
     if as_json:
         typer.echo(
-            json.dumps(
+            to_json(
                 [
                     {
                         "session_id": r.state.session_id,
@@ -256,7 +286,7 @@ def replay(
         raise typer.Exit(1)
     problems = replay_check(state) if check else []
     if as_json:
-        typer.echo(json.dumps({"events": [event_to_json(e) for e in events], "problems": problems}))
+        typer.echo(to_json({"events": [event_to_json(e) for e in events], "problems": problems}))
     else:
         for event in events:
             typer.echo(event_line(event))
@@ -296,6 +326,7 @@ def approve(
 
     async def send() -> None:
         async with open_log(log_url, actor="operator") as log:
+            await require_session(log, session_id)
             position = await log.append(session_id, body)
             typer.echo(f"{decision.value} {session_id} {call_id} by {body.author} at {position}")
 
@@ -322,6 +353,7 @@ def cancel(
 
     async def send() -> None:
         async with open_log(log_url, actor="operator") as log:
+            await require_session(log, session_id)
             await log.append(session_id, ev.CancelRequested(author=os.environ.get("USER", "operator"), reason=reason))
 
     asyncio.run(send())

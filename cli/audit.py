@@ -14,7 +14,6 @@ tool, effect class, verdict and time range.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Annotated, Any
 import typer
 
 from cli.common import Json, LogUrl
+from cli.render import to_json
 from cli.sessions import SessionBook, read_sessions
 from log import TOPICS, RecordError, SharedLog, open_log
 from log.chain import ChainVerifier
@@ -98,7 +98,7 @@ def verify(
     rate = report.num_records / report.seconds if report.seconds else 0.0
     if as_json:
         typer.echo(
-            json.dumps(
+            to_json(
                 {
                     "ok": report.ok,
                     "records": report.num_records,
@@ -195,7 +195,7 @@ def audit(
             rows.append(row)
     rows.sort(key=lambda r: (r["proposed_at"] or "", r["session_id"], r["call_id"]))
     if as_json:
-        typer.echo(json.dumps(rows))
+        typer.echo(to_json(rows))
         return
     typer.echo(
         f"{'session':<28} {'call':<8} {'tool':<12} {'effect':<13} {'votes':<34} {'verdict':<10} {'status':<10} who"

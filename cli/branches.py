@@ -23,11 +23,12 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.common import Json, LogUrl
+from cli.common import Json, LogUrl, require_session
+from cli.render import to_json
 from log import LoggedEvent, SharedLog, open_log
 from schemas import events as ev
 from services.checkpoint import restore_plan
-from services.session import SessionState, fold
+from services.session import SessionState
 
 Wait = Annotated[bool, typer.Option(help="Wait for the planner's answer")]
 Timeout = Annotated[float, typer.Option("--timeout", help="Give up waiting after this many seconds")]
@@ -46,10 +47,7 @@ def _author() -> str:
 
 
 async def _state(log: SharedLog, session_id: str) -> tuple[SessionState, list[LoggedEvent]]:
-    history = await log.history(session_id)
-    if not history:
-        raise typer.BadParameter(f"no session {session_id!r} in the log (logctl sessions lists them)")
-    return fold(session_id, [e.envelope for e in history]), history
+    return await require_session(log, session_id)
 
 
 async def _wait_for(
@@ -98,7 +96,7 @@ def _fail(message: str, code: int = 1) -> None:
 
 
 def _emit(as_json: bool, data: dict[str, Any], text: str) -> None:
-    typer.echo(json.dumps(data) if as_json else text)
+    typer.echo(to_json(data) if as_json else text)
 
 
 def checkpoint(

@@ -7,9 +7,11 @@ from typing import Annotated
 
 import typer
 
-from log import TOPICS, open_log
+from cli.errors import CliError
+from log import TOPICS, LoggedEvent, SharedLog, open_log
 from log.backend import Backend
 from log.topics import DEFAULT_PARTITIONS
+from services.session import SessionState, fold
 
 # The namespace is read from AGENTLOG_NAMESPACE by log.urls (a topic prefix on Kafka, a schema on Postgres).
 LogUrl = Annotated[
@@ -19,6 +21,16 @@ LogUrl = Annotated[
     ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="JSON for scripts instead of a table")]
+
+
+async def require_session(log: SharedLog, session_id: str) -> tuple[SessionState, list[LoggedEvent]]:
+    """The session's folded state and history; refuses (before anything is appended) a session
+    that was never requested or started: an operator command for it would stay in the log forever."""
+    history = await log.history(session_id)
+    state = fold(session_id, [e.envelope for e in history])
+    if state.status is None:
+        raise CliError(f"no session {session_id!r} in the log (logctl sessions lists them); nothing was appended")
+    return state, history
 
 
 async def init_log(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
-import json
 import logging
 import sys
 import uuid
@@ -20,13 +19,22 @@ import typer
 
 from cli import agents, audit, branches
 from cli.common import Json, LogUrl, init_log
-from cli.render import event_line, event_to_json
+from cli.errors import OneLineErrors
+from cli.render import event_line, event_to_json, to_json
 from cli.traces import app as trace_app
 from log import TOPICS, open_log
+from log.redact import redact
 from log.topics import DEFAULT_PARTITIONS
 
-app = typer.Typer(help="Operate agentlog: the event-sourced control plane for LLM agents.", no_args_is_help=True)
+app = typer.Typer(
+    cls=OneLineErrors,
+    help="Operate agentlog: the event-sourced control plane for LLM agents.",
+    no_args_is_help=True,
+)
 logging.basicConfig(level=logging.WARNING, format="logctl: %(levelname)s: %(message)s")
+# kafka-python narrates every failed connection attempt; an unreachable broker reaches the operator as
+# one line (cli/errors.py) instead.
+logging.getLogger("kafka").setLevel(logging.CRITICAL)
 agents.register(app)
 branches.register(app)
 app.command()(audit.verify)
@@ -67,7 +75,7 @@ def init(
     """Create the log's topics (idempotent): infinite retention, delete policy, co-partitioned."""
     ends = asyncio.run(init_log(log_url, partitions, secure=secure))
     if as_json:
-        typer.echo(json.dumps({"topics": {name: sum(e.values()) for name, e in ends.items()}, "secure": secure}))
+        typer.echo(to_json({"topics": {name: sum(e.values()) for name, e in ends.items()}, "secure": secure}))
         return
     typer.echo(f"{'topic':<16} {'partitions':>10} {'records':>10}")
     for name, e in ends.items():
@@ -116,7 +124,7 @@ async def _tail(
             if idle_exit and idle >= idle_exit:
                 break
             for event in events[: (limit - shown) if limit else None]:
-                typer.echo(json.dumps(event_to_json(event)) if as_json else event_line(event))
+                typer.echo(to_json(event_to_json(event)) if as_json else event_line(event))
                 shown += 1
             sys.stdout.flush()
         if consumer.stats.num_dead_lettered:
@@ -140,12 +148,11 @@ def demo(
     from cli.demo import print_report, run_demo
     from log.embedded import data_dir
 
-    typer.echo(
-        f"agentlog demo: {sessions} InferCept sessions, time x{time_scale:g}, on {log_url or 'the embedded log'}"
-    )
+    where = redact(log_url) if log_url else "the embedded log"
+    typer.echo(f"agentlog demo: {sessions} InferCept sessions, time x{time_scale:g}, on {where}")
     result = run_demo(log_url, sessions, time_scale, arrival_rate, seed, data_dir() / "runs", trace)
     if as_json:
-        typer.echo(json.dumps({**result, "summary": result["summary"].__dict__}))
+        typer.echo(to_json({**result, "summary": result["summary"].__dict__}))
     else:
         print_report(result)
 

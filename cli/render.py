@@ -4,9 +4,26 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from typing import Any
 
 from log.types import LoggedEvent
+
+
+def to_json(data: Any) -> str:
+    """``--json`` output: strict JSON, so a NaN or infinity (no value yet, e.g. a mean over
+    nothing) is ``null``; every parser reads it."""
+    return json.dumps(_finite(data), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def event_to_json(event: LoggedEvent) -> dict[str, Any]:

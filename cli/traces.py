@@ -20,6 +20,7 @@ from typing import Annotated, Any
 import typer
 
 from cli.common import Json
+from cli.render import to_json
 from services.traces import (
     Trace,
     TraceFormatError,
@@ -171,15 +172,6 @@ def _table(stats: TraceStats) -> list[str]:
     return lines
 
 
-def _json_ready(value: Any) -> Any:
-    """NaN (no tool gap) as null: JSON has no NaN."""
-    if isinstance(value, dict):
-        return {k: _json_ready(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_ready(v) for v in value]
-    return None if isinstance(value, float) and math.isnan(value) else value
-
-
 @app.command("stats")
 def stats(
     input_path: Annotated[Path, typer.Argument(metavar="INPUT.jsonl", exists=True, dir_okay=False)],
@@ -193,7 +185,7 @@ def stats(
         raise _fail(f"{input_path}: {e}") from None
     summary = trace_stats(trace)
     if as_json:
-        typer.echo(json.dumps(_json_ready(asdict(summary))))
+        typer.echo(to_json(asdict(summary)))
         return
     for line in _table(summary):
         typer.echo(line)
