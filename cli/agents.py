@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -47,13 +48,18 @@ def up(
     gpu_blocks: Annotated[int, typer.Option(help="The sim engine's KV cache, in blocks of 16 tokens")] = 8192,
     host_blocks: Annotated[int, typer.Option(help="Its host tier (swap target), in blocks")] = 0,
 ) -> None:
-    """Start the engine and every worker as local processes; Ctrl-C stops them gracefully.
+    """Start the engine and every worker as local processes, and keep them running; Ctrl-C (or
+    SIGTERM) stops them gracefully.
+
+    A process that exits is started again after a backoff (1 s, doubling to 30 s while it keeps
+    exiting, back to 1 s once it stayed up a minute), and each exit is reported on stderr with
+    its role, exit code and the wait; it never gives up on a role.
 
     On Kafka, secure mode is the default: with ``AGENTLOG_KAFKA_CREDENTIALS`` (the
     credentials.json of ``python -m log.local_kafka start --secure``) each process logs
     in as its own principal with only its own password.
     """
-    from cli.stack import Stack
+    from cli.stack import Stack, Supervisor
     from log.embedded import data_dir
 
     url = log_url or os.environ.get("AGENTLOG_LOG_URL") or ""
@@ -83,21 +89,16 @@ def up(
     # Ctrl-C and a process manager's SIGTERM both stop the stack gracefully; set explicitly,
     # because a shell that starts us in the background leaves SIGINT ignored, and Python's
     # default SIGTERM would end this process and orphan every worker.
+    # The handler only sets a flag: an interrupt in the middle of a restart would orphan the new process.
+    stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt)
-    try:
-        while all(p.alive() for p in stack.processes.values()):
-            time.sleep(0.5)
-        dead = [n for n, p in stack.processes.items() if not p.alive()]
-        typer.echo(f"{', '.join(dead)} exited; stopping the rest", err=True)
-    except KeyboardInterrupt:
-        pass
+        signal.signal(sig, lambda signum, frame: stopping.set())
+    # A process that exits is started again after a backoff, and each exit is reported (cli/stack.py).
+    supervisor = Supervisor(stack, report=lambda line: typer.echo(f"logctl: {line}", err=True))
+    while not stopping.wait(0.2):
+        supervisor.check()
     codes = stack.stop()
     typer.echo("stopped: " + ", ".join(f"{n}={c}" for n, c in codes.items()))
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def run(

@@ -8,6 +8,10 @@ pass options to the engine and the cache manager (e.g. ``--gpu-blocks N``).
 Every process is a plain ``python -m workers.<role>`` child with the log URL in
 its environment, so ``kill -9`` of any of them is exactly what a crash is.
 ``Stack`` is used by ``logctl up``, ``logctl demo`` and the end-to-end tests.
+
+``Supervisor`` is what ``logctl up`` runs it with: a process that exits on its own (a crash,
+a SIGKILL, even a clean exit nobody asked for) is started again after a backoff, and every
+exit is reported; it never gives up on a role (``Backoff`` says why).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -198,3 +203,79 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class Backoff:
+    """How long to wait before starting a role again after it exited.
+
+    The first restart waits ``first_s``; each exit after a short life doubles the wait, up to
+    ``max_s``; a process that stayed up ``reset_after_s`` or more starts over at ``first_s``.
+    There is no last attempt: a role that keeps exiting (its server is down, say) is retried
+    every ``max_s`` and reported each time, so it comes back on its own once the cause is gone,
+    and an operator sees every exit in ``logctl up``'s output meanwhile.
+    """
+
+    first_s: float = 1.0
+    max_s: float = 30.0
+    reset_after_s: float = 60.0
+    num_exits: int = 0
+    """Exits in a row, each after a short life."""
+
+    def after_exit(self, uptime_s: float) -> float:
+        """The wait before the next start of a process that exited after ``uptime_s`` seconds."""
+        if uptime_s >= self.reset_after_s:
+            self.num_exits = 0
+        self.num_exits += 1
+        return min(self.first_s * 2.0 ** (self.num_exits - 1), self.max_s)
+
+
+def describe_exit(code: int | None) -> str:
+    """``code 3`` or ``code -9, SIGKILL`` (Popen's negative code is the signal)."""
+    if code is not None and code < 0:
+        try:
+            return f"code {code}, {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"code {code}"
+
+
+@dataclass
+class Supervisor:
+    """Keeps every process of a stack running: call ``check()`` every fraction of a second.
+
+    A process found dead is reported (one line: role, exit code, the wait) and started again
+    once its ``Backoff`` wait is over; ``report`` gets each line.
+    """
+
+    stack: Stack
+    report: Callable[[str], None]
+    clock: Callable[[], float] = time.monotonic
+    backoff: Callable[[], Backoff] = Backoff
+    _backoffs: dict[str, Backoff] = field(default_factory=dict)
+    _started_at: dict[str, float] = field(default_factory=dict)
+    _restart_at: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        now = self.clock()  # uptimes count from here
+        self._started_at = dict.fromkeys(self.stack.processes, now)
+
+    def check(self) -> None:
+        now = self.clock()
+        for name, process in self.stack.processes.items():
+            if name in self._restart_at or process.alive():
+                continue
+            started = self._started_at.setdefault(name, now)
+            backoff = self._backoffs.setdefault(name, self.backoff())
+            wait_s = backoff.after_exit(now - started)
+            self._restart_at[name] = now + wait_s
+            code = process.popen.returncode if process.popen else None
+            self.report(
+                f"{name} exited ({describe_exit(code)}) after {now - started:.1f} s; starting it again in "
+                f"{wait_s:g} s (exit {backoff.num_exits} in a row; its log: {process.log_path})"
+            )
+        for name, when in list(self._restart_at.items()):
+            if now >= when:
+                del self._restart_at[name]
+                self._started_at[name] = now
+                self.report(f"{name} started again: pid {self.stack.start_process(name).pid}")
