@@ -44,9 +44,9 @@ from services.programs.base import (
     ProgramView,
     Prompt,
     Result,
+    TakeCheckpoint,
     ToolResult,
 )
-from services.programs.base import TakeCheckpoint as TakeCheckpointAction
 from services.session import (
     LLMCall,
     PlannerStep,
@@ -129,8 +129,10 @@ class NeedBase:
 
 
 @dataclass(frozen=True)
-class TakeCheckpoint:
-    """Take a checkpoint now (the session is at a step boundary)."""
+class CutCheckpoint:
+    """Take a checkpoint now (the session is at a step boundary): cut the session's log, fold
+    it, snapshot it, append ``CheckpointTaken``. What the planner does for an operator's
+    request, ``checkpoint_every``, or a program's ``TakeCheckpoint`` / ``Fork`` step."""
 
     checkpoint_id: str
     cause: str | None
@@ -184,7 +186,7 @@ Move = (
     | FailSession
     | Idle
     | NeedBase
-    | TakeCheckpoint
+    | CutCheckpoint
     | ProposeCompensations
     | ApplyRestore
     | RefuseRestore
@@ -278,7 +280,7 @@ def next_move(state: SessionState, program: Program | None, *, checkpoint_every:
         if state.num_events - (last.taken.num_events if last else 0) >= checkpoint_every:
             checkpoint_id = f"auto-g{state.generation}-s{state.step_bound}"
             if checkpoint_id not in state.checkpoints:
-                return TakeCheckpoint(checkpoint_id, None)
+                return CutCheckpoint(checkpoint_id, None)
     merged = tuple(json.loads(m.results_json) for m in state.merges if not _own_fork_merge(state, m))
     view = ProgramView(state.session_id, state.args, tuple(results), state.context_id, merged)
     try:
@@ -314,13 +316,13 @@ def next_move(state: SessionState, program: Program | None, *, checkpoint_every:
                 spec.compensation if spec else None,
                 action.resource,
             )
-        case TakeCheckpointAction():
-            return TakeCheckpoint(checkpoint_step_id(step, generation), None)
+        case TakeCheckpoint():
+            return CutCheckpoint(checkpoint_step_id(step, generation), None)
         case Fork():
             if not action.branches:
                 return FailSession(f"step {step}: a fork needs at least one branch", "InvalidAction")
             # The step begins with the checkpoint its branches fork at.
-            return TakeCheckpoint(fork_step_id(step, generation), None)
+            return CutCheckpoint(fork_step_id(step, generation), None)
         case Finish():
             return FinishSession(json.dumps(action.output, sort_keys=True), len(state.llm_calls), len(state.tool_calls))
         case Fail():
@@ -355,7 +357,7 @@ def _command_move(state: SessionState) -> Move | None:
     if busy:
         return WaitFor(busy[0].call_id, f"{busy[0].status.value} (a {type(body).__name__} waits for a step boundary)")
     if isinstance(body, ev.CheckpointRequested):
-        return TakeCheckpoint(body.checkpoint_id, command.event_id)
+        return CutCheckpoint(body.checkpoint_id, command.event_id)
     return MergeBranches(command.event_id, tuple(body.branch_session_ids))
 
 

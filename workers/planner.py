@@ -53,6 +53,7 @@ from services.checkpoint import (
 from services.planning import (
     ApplyRestore,
     CallEngine,
+    CutCheckpoint,
     FailSession,
     FinishSession,
     Idle,
@@ -63,7 +64,6 @@ from services.planning import (
     RefuseRestore,
     StartBranches,
     StartSession,
-    TakeCheckpoint,
     WaitFor,
     next_move,
 )
@@ -206,7 +206,7 @@ class PlannerWorker(SessionWorker):
                 return False
             case NeedBase():
                 await self._inherit(state)
-            case TakeCheckpoint():
+            case CutCheckpoint():
                 await self._checkpoint(state, move)
             case ProposeCompensations():
                 for comp in move.compensations:
@@ -295,7 +295,7 @@ class PlannerWorker(SessionWorker):
 
     # ------------------------------------------------- checkpoint, fork, merge
 
-    async def _checkpoint(self, state: SessionState, move: TakeCheckpoint) -> None:
+    async def _checkpoint(self, state: SessionState, move: CutCheckpoint) -> None:
         """Cut the session's log here, fold it, store a snapshot, append CheckpointTaken."""
         body = await take_checkpoint(self.log, self.snapshots, state.session_id, move.checkpoint_id)
         await self.append(state.session_id, body, kind="checkpoint", key=move.checkpoint_id, cause=move.cause)

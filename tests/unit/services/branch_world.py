@@ -36,6 +36,7 @@ from services.checkpoint import (
 from services.planning import (
     ApplyRestore,
     CallEngine,
+    CutCheckpoint,
     FailSession,
     FinishSession,
     Idle,
@@ -46,7 +47,6 @@ from services.planning import (
     RefuseRestore,
     StartBranches,
     StartSession,
-    TakeCheckpoint,
     WaitFor,
     next_move,
 )
@@ -185,7 +185,7 @@ class World:
                 self.planner_append(
                     session, ev.SessionFailed(reason=move.reason, error_type=move.error_type), "end", end
                 )
-            case TakeCheckpoint():
+            case CutCheckpoint():
                 self.take_checkpoint(state, move)
             case ProposeCompensations():
                 for comp in move.compensations:
@@ -218,7 +218,7 @@ class World:
                 return self.merge(session, tuple(b for b, _ in move.branches), None, move.call_id) or any(created)
         return True
 
-    def take_checkpoint(self, state: SessionState, move: TakeCheckpoint) -> None:
+    def take_checkpoint(self, state: SessionState, move: CutCheckpoint) -> None:
         session = state.session_id
         events = self.events[session]
         cut = cut_of(events, {t: self.offsets[t] for t in TOPICS})
