@@ -88,7 +88,7 @@ from workers.cache_manager import GC_THRESHOLDS, CacheManagerWorker, WorkerStats
 T0 = datetime(2026, 6, 1, tzinfo=UTC)
 BLOCK = 16
 TOOLS = [(f"tool{i:02d}", 0.2 * (150 ** (i / 15))) for i in range(16)]  # medians 0.2 s .. 30 s
-WRITER_OF = {"agent.actions": "planner", "agent.effects": "executor", "kv.events": "engine-bridge"}
+WRITER_OF = {t.name: t.owner for t in (topic_table.AGENT_ACTIONS, topic_table.AGENT_EFFECTS, topic_table.KV_EVENTS)}
 
 
 @dataclass(slots=True)

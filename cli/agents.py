@@ -16,6 +16,7 @@ import typer
 from cli.common import Json, LogUrl, ensure_topics
 from cli.sessions import SessionBook, read_sessions, replay_check, summarize
 from log import open_log
+from log.topics import AGENT_ACTIONS
 from schemas import events as ev
 from services.programs import PROGRAMS
 from services.session import SessionState
@@ -160,7 +161,7 @@ async def _run(
         if not wait:
             return book
         wanted = {s for s, _, _ in requests}
-        async with log.consumer(f"logctl-run-{uuid.uuid4().hex[:8]}", ["agent.actions"], from_beginning=True) as c:
+        async with log.consumer(f"logctl-run-{uuid.uuid4().hex[:8]}", [AGENT_ACTIONS.name], from_beginning=True) as c:
             deadline = time.monotonic() + timeout_s
             last_report = 0.0
             while time.monotonic() < deadline:

@@ -35,10 +35,9 @@ from dataclasses import dataclass
 
 from log import LoggedEvent, SharedLog
 from log.snapshots import ChainTailAt, Snapshot, SnapshotStore, read_tail, tails_below
-from log.topics import TOPIC_ORDER
+from log.topics import SESSION_TOPICS, TOPIC_ORDER
 from schemas import events as ev
 from services.checkpoint import (
-    SESSION_TOPICS,
     CutEvent,
     before_cut,
     cut_of,
