@@ -47,12 +47,11 @@ import signal
 import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 
-from log import DuplicateVerdict, LoggedEvent, RecordError, SharedLog, UnknownSession
+from log import Draft, DuplicateVerdict, LoggedEvent, RecordError, SharedLog, UnknownSession
 from log.consumer import ChainSeed, EventConsumer, StartAt
 from log.snapshots import PartitionMark, Snapshot, SnapshotStore
 from schemas.envelope import Envelope
@@ -250,7 +249,10 @@ class SessionWorker:
     async def append(self, session_id: str, body: Event, *, kind: str, key: str = "", cause: str | None = None) -> None:
         """Append with a deterministic event id and fold the event into our state at once."""
         eid = event_id(session_id, kind, key)
-        await self.log.append(session_id, body, event_id=eid, causation_id=cause)
+        # The time is read from the log's clock here and stamped on the record, so that our
+        # fold and every reader's fold of this event see the same occurred_at.
+        occurred_at = self.log.clock()
+        await self.log.append_many([Draft(session_id, body, eid, cause, occurred_at)])
         # Fold our own write now; reading it back later is a no-op (same event id).
         self.state(session_id).apply(
             Envelope.model_construct(
@@ -258,7 +260,7 @@ class SessionWorker:
                 session_id=session_id,
                 seq=-1,
                 actor=self.log.actor,
-                occurred_at=datetime.now(UTC),
+                occurred_at=occurred_at,
                 causation_id=cause,
                 prev_hash=b"",
                 body=body,
