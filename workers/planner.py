@@ -80,11 +80,12 @@ from services.planning import (
     next_move,
 )
 from services.programs import PROGRAMS, Program
+from services.replay import cut_events
 from services.session import SessionState
 from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable
 from workers.engines.factory import ENGINE_KINDS, create_engine
-from workers.replay import cut_events, session_at, take_checkpoint
+from workers.replay import session_at, take_checkpoint
 from workers.runtime import SessionWorker, log_namespace, snapshot_url
 
 __all__ = ["PlannerWorker", "log_namespace", "snapshot_url"]  # the last two moved to workers.runtime

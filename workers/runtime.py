@@ -11,7 +11,7 @@ its state from the log and continues; every append it makes uses a
 deterministic event id, so redoing an append is a no-op.
 
 **Marks** (with a snapshot store; docs/branches.md, "Worker recovery"). A
-caught-up worker saves, per partition, a mark (``workers/marks.py``): every
+caught-up worker saves, per partition, a mark (``services/marks.py``): every
 ``mark_every`` events it folds there, when the partition catches up, and on a
 clean shutdown. A member that is assigned a partition with a mark (after a
 restart, or taking it over) reads each topic from the mark's start instead
@@ -53,13 +53,15 @@ import asyncpg
 
 from log import Draft, DuplicateVerdict, LoggedEvent, RecordError, SharedLog, UnknownSession
 from log.consumer import ChainSeed, EventConsumer, StartAt
-from log.snapshots import PartitionMark, Snapshot, SnapshotStore
+from log.snapshots import Snapshot, SnapshotStore
+from log.types import PartitionMark
 from schemas.envelope import Envelope
 from schemas.events import Event, SessionRequested, SessionStarted
 from services.checkpoint import fold_events, state_from_json
+from services.marks import IN_FLIGHT, SessionLow, make_mark, needs_work
+from services.replay import cut_events, distrust, history_order, without_parent_history
 from services.session import SessionState, ToolStatus
-from workers.marks import IN_FLIGHT, SessionLow, make_mark, needs_work
-from workers.replay import cut_events, distrust, history_order, load_session, without_parent_history
+from workers.replay import load_session
 
 _log = logging.getLogger(__name__)
 
@@ -489,7 +491,7 @@ class SessionWorker:
             reason = (
                 "a chain of it did not follow the snapshot's tails"
                 if any((t, session_id) in rebuilt for t in self.topics)
-                else distrust(snapshot, events)
+                else distrust(snapshot.checkpoint_id, snapshot.cut, snapshot.state, events)
             )
             if reason is None:
                 start = without_parent_history(state_from_json(snapshot.state))

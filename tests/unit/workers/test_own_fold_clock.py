@@ -17,9 +17,9 @@ import pytest
 from log import Clock, SharedLog
 from schemas import events as ev
 from services.checkpoint import fold_events, state_to_json
+from services.replay import cut_events
 from services.session import SessionState
 from tests.unit.log.test_append_batching import MemoryBackend
-from workers.replay import cut_events
 from workers.runtime import SessionWorker
 
 pytestmark = pytest.mark.unit
