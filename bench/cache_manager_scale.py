@@ -48,7 +48,7 @@ it does not drop when other work on the machine takes the CPU, and on a core of 
 own the two would be equal for a row that never waits.
 
 Latency, per event that causes decisions: ``decide`` is fold+decide of that event
-(what the issue calls "from receiving the event to the decision ready to append",
+("from receiving the event to the decision ready to append",
 when the event is taken alone; ``cpu p99``: the same in the thread's CPU time, which
 preemption by other processes does not inflate); ``from poll`` adds the wait behind the events before it
 in the same poll (a poll hands out up to ``--max-records``); ``appended`` runs to the

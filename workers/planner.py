@@ -2,9 +2,10 @@
 
 Reads agent.actions, agent.verdicts, agent.effects and ops.commands; appends
 only to agent.actions. For each session of its partitions it asks
-``services.planning.next_move`` what to do and does it: start a requested
-session, call the engine (``LLMCallStarted`` before, ``LLMCallCompleted``
-after), propose a tool call, finish or fail. Verdicts and effects are other
+``services.planning.next_move`` what to do and does it, appending the events
+``services.decide`` says carry the move out: start a requested session, call the
+engine (``LLMCallStarted`` before, ``LLMCallCompleted`` after), propose a tool
+call, finish or fail. Verdicts and effects are other
 roles' work: the planner waits for them in the log.
 
 Each session is driven by at most one task at a time; an event that arrives
