@@ -15,11 +15,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from log import Clock, SharedLog
+from log.memory_backend import MemoryBackend, MemoryStore
 from schemas import events as ev
 from services.checkpoint import fold_events, state_to_json
 from services.replay import cut_events
 from services.session import SessionState
-from tests.unit.log.test_append_batching import MemoryBackend
 from workers.runtime import SessionWorker
 
 pytestmark = pytest.mark.unit
@@ -34,11 +34,14 @@ def ticking_clock() -> Clock:
 
 def test_a_writer_and_a_reader_fold_the_same_appends_to_the_same_state() -> None:
     async def scenario() -> tuple[SessionState, SessionState]:
-        backend = MemoryBackend()
+        store = MemoryStore()
+        admin = MemoryBackend(store)
+        await admin.start()
+        await admin.create_topics(4)
         clock = ticking_clock()
         async with (
-            SharedLog(backend, actor="operator", clock=clock) as operator,
-            SharedLog(backend, actor="planner", clock=clock) as planner_log,
+            SharedLog(MemoryBackend(store), actor="operator", clock=clock) as operator,
+            SharedLog(MemoryBackend(store), actor="planner", clock=clock) as planner_log,
         ):
             await operator.append("s", ev.SessionRequested(program="script", args_json="{}", author="t"))
             writer = SessionWorker(planner_log)
