@@ -258,7 +258,7 @@ async def agreement(
         events: list[tuple[str, Envelope, int, int]] = []
         for topic in INPUT_TOPICS:
             events += [(topic, e, p, o) for e, p, o in await read_topic(log, topic)]
-        decisions = {e.event_id: e.body for e, _, _ in await read_topic(log, "kv.decisions")}
+        decisions = {e.event_id: e.body for e, _, _ in await read_topic(log, topic_table.KV_DECISIONS.name)}
     worker = {i: b for i, b in decisions.items() if isinstance(b, CacheDecisionMade)}
     order = topic_table.TOPIC_ORDER
     by_time = sorted(events, key=lambda x: (x[1].occurred_at, order[x[0]], x[2], x[3]))

@@ -48,7 +48,7 @@ it does not drop when other work on the machine takes the CPU, and on a core of 
 own the two would be equal for a row that never waits.
 
 Latency, per event that causes decisions: ``decide`` is fold+decide of that event
-(what the issue calls "from receiving the event to the decision ready to append",
+("from receiving the event to the decision ready to append",
 when the event is taken alone; ``cpu p99``: the same in the thread's CPU time, which
 preemption by other processes does not inflate); ``from poll`` adds the wait behind the events before it
 in the same poll (a poll hands out up to ``--max-records``); ``appended`` runs to the
@@ -88,7 +88,7 @@ from workers.cache_manager import GC_THRESHOLDS, CacheManagerWorker, WorkerStats
 T0 = datetime(2026, 6, 1, tzinfo=UTC)
 BLOCK = 16
 TOOLS = [(f"tool{i:02d}", 0.2 * (150 ** (i / 15))) for i in range(16)]  # medians 0.2 s .. 30 s
-WRITER_OF = {"agent.actions": "planner", "agent.effects": "executor", "kv.events": "engine-bridge"}
+WRITER_OF = {t.name: t.owner for t in (topic_table.AGENT_ACTIONS, topic_table.AGENT_EFFECTS, topic_table.KV_EVENTS)}
 
 
 @dataclass(slots=True)

@@ -109,9 +109,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from cli.sessions import SESSION_TOPICS, SessionBook, SessionRecord
+from cli.sessions import SessionBook, SessionRecord
 from cli.stack import Stack
 from log import Draft, LoggedEvent, SharedLog, open_log
+from log.topics import AGENT_ACTIONS, SESSION_TOPICS
 from schemas import events as ev
 from services.planning import request_id
 from services.session import SessionStatus
@@ -201,7 +202,7 @@ class Observed:
         elif isinstance(body, ev.ToolCallStarted) and event.envelope.event_id not in self.seen_starts:
             self.seen_starts.add(event.envelope.event_id)
             self.tool_starts[(event.session_id, body.call_id)] += 1
-        if event.topic == "agent.actions":
+        if event.topic == AGENT_ACTIONS.name:
             at = event.envelope.occurred_at
             self.last_action_at = at if self.last_action_at is None else max(self.last_action_at, at)
             for kill in self.kills:
@@ -502,7 +503,7 @@ class ModeRun:
         if self.mode == "scratch":
             # Only the planner writes agent.actions: once it is dead, reading that topic to
             # its end tells exactly which sessions finished.
-            await self._read_to_end(log, consumer, ["agent.actions"])
+            await self._read_to_end(log, consumer, [AGENT_ACTIONS.name])
             abandoned = o.unfinished()
             drafts: list[Draft] = []  # cancels and requests all go to ops.commands: one batch
             for session in abandoned:

@@ -22,6 +22,7 @@ from contextlib import ExitStack
 
 from cli.audit import verify_log
 from log import Draft, Position, SharedLog
+from log.topics import AGENT_ACTIONS
 from log.urls import backend_for
 from schemas.events import LLMCallCompleted, LLMCallStarted
 
@@ -80,7 +81,7 @@ async def run(url: str, num_events: int, num_sessions: int) -> dict[str, float]:
     write_s = time.perf_counter() - began
     print()
     async with SharedLog(backend_for(url, namespace=namespace), actor="auditor") as log:
-        report = await verify_log(log, topics=["agent.actions"], session=None)
+        report = await verify_log(log, topics=[AGENT_ACTIONS.name], session=None)
     assert report.ok, report.problems[:3]
     return {
         "events": report.num_records,

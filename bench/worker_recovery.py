@@ -37,7 +37,7 @@ from log import Draft, SharedLog, open_log
 from log.snapshots import SnapshotStore
 from schemas import events as ev
 from services.checkpoint import state_to_json
-from workers.marks import needs_work
+from services.marks import needs_work
 from workers.planner import PlannerWorker
 from workers.replay import take_checkpoint
 from workers.runtime import SessionWorker

@@ -19,6 +19,7 @@ from cli.errors import BAD_INPUT, TIMED_OUT, CliError, fail
 from cli.render import to_json
 from cli.sessions import SessionBook, read_sessions, replay_check, summarize
 from log import open_log
+from log.topics import AGENT_ACTIONS
 from schemas import events as ev
 from services.programs import PROGRAMS
 from services.session import SessionState
@@ -191,7 +192,7 @@ async def _run(
         if not wait:
             return book
         wanted = {s for s, _, _ in requests}
-        async with log.consumer(f"logctl-run-{uuid.uuid4().hex[:8]}", ["agent.actions"], from_beginning=True) as c:
+        async with log.consumer(f"logctl-run-{uuid.uuid4().hex[:8]}", [AGENT_ACTIONS.name], from_beginning=True) as c:
             deadline = time.monotonic() + timeout_s
             last_report = 0.0
             while time.monotonic() < deadline:

@@ -27,6 +27,7 @@ from cli.render import to_json
 from cli.sessions import SessionBook, read_sessions
 from log import TOPICS, RecordError, SharedLog, open_log
 from log.chain import ChainVerifier
+from log.topics import AGENT_DLQ
 from log.topics import topic as topic_named
 from services.session import ToolCall
 
@@ -88,7 +89,7 @@ def verify(
     as_json: Json = False,
 ) -> None:
     """Check every hash chain and seq of the log; exit 1 and name each broken link if any."""
-    topics = topic or [t.name for t in TOPICS if t.name != "agent.dlq"]
+    topics = topic or [t.name for t in TOPICS if t is not AGENT_DLQ]
 
     async def run() -> VerifyReport:
         async with open_log(log_url, actor="auditor") as log:

@@ -26,6 +26,7 @@ import typer
 from cli.common import Json, LogUrl, require_session
 from cli.render import to_json
 from log import LoggedEvent, SharedLog, open_log
+from log.topics import AGENT_ACTIONS
 from schemas import events as ev
 from services.checkpoint import restore_plan
 from services.session import SessionState
@@ -55,7 +56,7 @@ async def _wait_for(
 ) -> LoggedEvent | None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for event in await log.history(session_id, ["agent.actions"]):
+        for event in await log.history(session_id, [AGENT_ACTIONS.name]):
             if match(event):
                 return event
         await asyncio.sleep(0.3)

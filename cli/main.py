@@ -1,4 +1,4 @@
-"""logctl: create the log, watch it, and (in later issues) run, audit and steer agents.
+"""logctl: create the log, watch it, run, audit and steer agents.
 
 Every command takes ``--log-url`` (or ``AGENTLOG_LOG_URL``): ``kafka://host:port``,
 ``postgresql://...``, or nothing for the embedded Postgres default.

@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from log import LoggedEvent, SharedLog
+from log.topics import SESSION_TOPICS
 from schemas import events as ev
 from services.planning import prompt_digest, recorded_results
 from services.programs import PROGRAMS, CallLLM, CallTool, Finish, Fork, ProgramView, TakeCheckpoint
 from services.session import LLMCall, PlannerStep, SessionState, SessionStatus
-
-SESSION_TOPICS = ["agent.actions", "agent.verdicts", "agent.effects", "ops.commands"]
 
 
 @dataclass

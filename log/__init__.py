@@ -3,10 +3,11 @@
 Typical use::
 
     from log import open_log
+    from log.topics import AGENT_ACTIONS
     async with open_log("kafka://127.0.0.1:9092", actor="planner") as log:
         await log.append(session_id, SessionStarted(program="trace", args_json="{}"))
 
-    async with open_log(url, actor="auditor") as log, log.consumer("audit", ["agent.actions"]) as events:
+    async with open_log(url, actor="auditor") as log, log.consumer("audit", [AGENT_ACTIONS.name]) as events:
         for event in await events.poll():
             ...
         await events.commit()

@@ -55,8 +55,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-# kafka-python ships no type information; "unused-ignore" keeps this line clean if the
-# project later sets ignore_missing_imports for it.
+# kafka-python ships no type information; pyproject.toml sets ignore_missing_imports for it,
+# and "unused-ignore" keeps this line clean with or without that setting.
 from kafka.admin import KafkaAdminClient  # type: ignore[import-untyped,unused-ignore]
 from kafka.errors import KafkaError  # type: ignore[import-untyped,unused-ignore]
 

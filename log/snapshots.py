@@ -21,7 +21,7 @@ The table lives in schema ``agentlog_snapshots`` of the given server, keyed by
 
 **Partition marks** (``partition_marks``, same schema): where a role worker's
 consumer group may start reading one partition again (``PartitionMark``,
-computed by ``workers/marks.py``), keyed by (namespace, group, partition); the
+computed by ``services/marks.py``), keyed by (namespace, group, partition); the
 newest one replaces the last. A mark is trusted like a committed offset: for
 nothing but "no record below these offsets is needed beyond the sessions it
 lists" (docs/branches.md, "Worker recovery from marks").
@@ -41,7 +41,7 @@ from log import topics as topic_table
 from log.chain import ChainVerifier
 from log.errors import RecordError
 from log.shared_log import SharedLog
-from log.types import LoggedEvent
+from log.types import LoggedEvent, PartitionMark
 from schemas.envelope import Envelope
 from schemas.events import KVAllBlocksCleared
 
@@ -75,24 +75,6 @@ class Snapshot:
     state: dict[str, Any]
     digest: str
     num_events: int
-
-
-@dataclass(frozen=True)
-class PartitionMark:
-    """Where a consumer group may start one partition again instead of at offset 0.
-
-    ``start``: per topic, the lowest offset still needed (the low-water mark);
-    ``read_to``: per topic, how far the group had read when the mark was made;
-    ``sessions``: the sessions that still needed work then, each with the
-    checkpoint whose snapshot holds its records below ``start`` (None: every
-    record of it is at or after ``start``). Records below ``read_to`` of
-    sessions not listed belong to sessions that needed nothing more.
-    """
-
-    partition: int
-    start: dict[str, int]
-    read_to: dict[str, int]
-    sessions: dict[str, str | None]
 
 
 class SnapshotStore:

@@ -89,6 +89,11 @@ TOPICS: tuple[Topic, ...] = (
 )
 """Every topic, in a fixed order (also the tie-break when merging topics by time)."""
 
+SESSION_TOPICS: tuple[str, ...] = (AGENT_ACTIONS.name, AGENT_VERDICTS.name, AGENT_EFFECTS.name, OPS_COMMANDS.name)
+"""The topics that hold a session's own story (the agent's steps, verdicts, effects and
+operators' commands; not the KV cache's): what a session is folded from, what a checkpoint cuts,
+and what the planner reads."""
+
 BY_NAME: dict[str, Topic] = {t.name: t for t in TOPICS}
 TOPIC_ORDER: dict[str, int] = {t.name: i for i, t in enumerate(TOPICS)}
 

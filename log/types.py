@@ -92,3 +92,21 @@ class ConsumerStats:
     num_delivered: int = 0
     num_dead_lettered: int = 0
     dead_lettered_by_error: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PartitionMark:
+    """Where a consumer group may start one partition again instead of at offset 0.
+
+    ``start``: per topic, the lowest offset still needed (the low-water mark);
+    ``read_to``: per topic, how far the group had read when the mark was made;
+    ``sessions``: the sessions that still needed work then, each with the
+    checkpoint whose snapshot holds its records below ``start`` (None: every
+    record of it is at or after ``start``). Records below ``read_to`` of
+    sessions not listed belong to sessions that needed nothing more.
+    """
+
+    partition: int
+    start: dict[str, int]
+    read_to: dict[str, int]
+    sessions: dict[str, str | None]

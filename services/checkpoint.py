@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from log.topics import SESSION_TOPICS
 from schemas import events as ev
 from schemas.envelope import Envelope
 from schemas.events import EffectClass
@@ -70,9 +71,6 @@ from services.session import (
     compensation_call_id,
     step_of,
 )
-
-SESSION_TOPICS = ("agent.actions", "agent.verdicts", "agent.effects", "ops.commands")
-"""The topics a session's fold reads (and a cut covers)."""
 
 EXTERNAL = (EffectClass.IDEMPOTENT, EffectClass.COMPENSATABLE, EffectClass.IRREVERSIBLE)
 _HAPPENED = (ToolStatus.STARTED, ToolStatus.COMPLETED, ToolStatus.IN_DOUBT)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas import events as ev
-from schemas.events import EffectClass
+from schemas.events import CallId, CheckpointId, EffectClass
 from services.checkpoint import Compensation, RestorePlan, in_flight, restore_plan
 from services.programs.base import (
     CallLLM,
@@ -44,9 +44,9 @@ from services.programs.base import (
     ProgramView,
     Prompt,
     Result,
+    TakeCheckpoint,
     ToolResult,
 )
-from services.programs.base import TakeCheckpoint as TakeCheckpointAction
 from services.session import (
     LLMCall,
     PlannerStep,
@@ -73,7 +73,7 @@ class StartSession:
 
 @dataclass(frozen=True)
 class CallEngine:
-    call_id: str
+    call_id: CallId
     request_id: str
     turn: int
     prompt: Prompt
@@ -85,7 +85,7 @@ class CallEngine:
 
 @dataclass(frozen=True)
 class ProposeTool:
-    call_id: str
+    call_id: CallId
     tool: str
     arguments_json: str
     effect_class: EffectClass
@@ -96,7 +96,7 @@ class ProposeTool:
 
 @dataclass(frozen=True)
 class WaitFor:
-    call_id: str
+    call_id: CallId
     status: str
 
 
@@ -125,14 +125,16 @@ class NeedBase:
     """A fork whose parent history (up to its checkpoint) has not been added to its state yet."""
 
     parent_session_id: str
-    checkpoint_id: str
+    checkpoint_id: CheckpointId
 
 
 @dataclass(frozen=True)
-class TakeCheckpoint:
-    """Take a checkpoint now (the session is at a step boundary)."""
+class CutCheckpoint:
+    """Take a checkpoint now (the session is at a step boundary): cut the session's log, fold
+    it, snapshot it, append ``CheckpointTaken``. What the planner does for an operator's
+    request, ``checkpoint_every``, or a program's ``TakeCheckpoint`` / ``Fork`` step."""
 
-    checkpoint_id: str
+    checkpoint_id: CheckpointId
     cause: str | None
     """The operator's request it answers, or None (automatic, or a program's step)."""
 
@@ -170,7 +172,8 @@ class MergeBranches:
 class StartBranches:
     """A program's fork step: create each branch (idempotent), then merge them when they are done."""
 
-    call_id: str
+    call_id: CheckpointId
+    """The fork step's id, which is also the id of the checkpoint its branches fork at."""
     branches: tuple[tuple[str, str], ...]
     """(branch session id, its arguments as JSON)."""
 
@@ -184,7 +187,7 @@ Move = (
     | FailSession
     | Idle
     | NeedBase
-    | TakeCheckpoint
+    | CutCheckpoint
     | ProposeCompensations
     | ApplyRestore
     | RefuseRestore
@@ -193,7 +196,7 @@ Move = (
 )
 
 
-def request_id(session_id: str, call_id: str) -> str:
+def request_id(session_id: str, call_id: CallId) -> str:
     """The engine request id of an LLM call: the same on every retry of that call."""
     return f"{session_id}/{call_id}"
 
@@ -214,7 +217,7 @@ def recorded_results(state: SessionState) -> tuple[list[Result], Step | None]:
             results.append(
                 LLMResult(
                     step.call_id,
-                    request_id(step.origin or state.session_id, step.call_id),
+                    request_id(step.origin or state.session_id, CallId(step.call_id)),
                     step.completed.output_text,
                     step.completed.prompt_tokens,
                     step.completed.output_tokens,
@@ -262,7 +265,7 @@ def next_move(state: SessionState, program: Program | None, *, checkpoint_every:
     if state.parent_session_id is not None and not state.inherited:
         if state.fork is None:
             return Idle("waiting for the fork's lineage record")
-        return NeedBase(state.fork.parent_session_id, state.fork.checkpoint_id)
+        return NeedBase(state.fork.parent_session_id, CheckpointId(state.fork.checkpoint_id))
     if state.cancel_requested and not state.finished:
         # Before any pending command: a merge waiting for branches must not hold a cancel.
         return FailSession("cancelled by an operator", "Cancelled")
@@ -276,9 +279,9 @@ def next_move(state: SessionState, program: Program | None, *, checkpoint_every:
     if pending is None and checkpoint_every > 0 and not in_flight(state):
         last = next((c for c in reversed(state.checkpoints.values()) if not c.abandoned), None)
         if state.num_events - (last.taken.num_events if last else 0) >= checkpoint_every:
-            checkpoint_id = f"auto-g{state.generation}-s{state.step_bound}"
+            checkpoint_id = CheckpointId(f"auto-g{state.generation}-s{state.step_bound}")
             if checkpoint_id not in state.checkpoints:
-                return TakeCheckpoint(checkpoint_id, None)
+                return CutCheckpoint(checkpoint_id, None)
     merged = tuple(json.loads(m.results_json) for m in state.merges if not _own_fork_merge(state, m))
     view = ProgramView(state.session_id, state.args, tuple(results), state.context_id, merged)
     try:
@@ -314,13 +317,13 @@ def next_move(state: SessionState, program: Program | None, *, checkpoint_every:
                 spec.compensation if spec else None,
                 action.resource,
             )
-        case TakeCheckpointAction():
-            return TakeCheckpoint(checkpoint_step_id(step, generation), None)
+        case TakeCheckpoint():
+            return CutCheckpoint(checkpoint_step_id(step, generation), None)
         case Fork():
             if not action.branches:
                 return FailSession(f"step {step}: a fork needs at least one branch", "InvalidAction")
             # The step begins with the checkpoint its branches fork at.
-            return TakeCheckpoint(fork_step_id(step, generation), None)
+            return CutCheckpoint(fork_step_id(step, generation), None)
         case Finish():
             return FinishSession(json.dumps(action.output, sort_keys=True), len(state.llm_calls), len(state.tool_calls))
         case Fail():
@@ -346,16 +349,18 @@ def _command_move(state: SessionState) -> Move | None:
         if plan.refused is not None:
             return RefuseRestore(command.event_id, plan)
         if busy:
-            return WaitFor(busy[0].call_id, f"{busy[0].status.value} (a restore waits for a step boundary)")
+            return WaitFor(CallId(busy[0].call_id), f"{busy[0].status.value} (a restore waits for a step boundary)")
         if plan.to_propose:
             return ProposeCompensations(command.event_id, plan.to_propose)
         if plan.waiting_for:
-            return WaitFor(plan.waiting_for[0], "compensation before a restore")
+            return WaitFor(CallId(plan.waiting_for[0]), "compensation before a restore")
         return ApplyRestore(command.event_id, plan)
     if busy:
-        return WaitFor(busy[0].call_id, f"{busy[0].status.value} (a {type(body).__name__} waits for a step boundary)")
+        return WaitFor(
+            CallId(busy[0].call_id), f"{busy[0].status.value} (a {type(body).__name__} waits for a step boundary)"
+        )
     if isinstance(body, ev.CheckpointRequested):
-        return TakeCheckpoint(body.checkpoint_id, command.event_id)
+        return CutCheckpoint(CheckpointId(body.checkpoint_id), command.event_id)
     return MergeBranches(command.event_id, tuple(body.branch_session_ids))
 
 
@@ -371,7 +376,7 @@ def _resume(state: SessionState, pending: Step, action: Any, step: int) -> Move:
             (branch_session_id(state.session_id, pending.call_id, i), json.dumps(args, sort_keys=True))
             for i, args in enumerate(action.branches)
         )
-        return StartBranches(pending.call_id, branches)
+        return StartBranches(CheckpointId(pending.call_id), branches)
     if isinstance(pending, LLMCall):
         if not isinstance(action, CallLLM) or prompt_digest(action.prompt) != pending.started.prompt_digest:
             return FailSession(
@@ -379,8 +384,8 @@ def _resume(state: SessionState, pending: Step, action: Any, step: int) -> Move:
                 "NonDeterminism",
             )
         return CallEngine(
-            pending.call_id,
-            request_id(state.session_id, pending.call_id),
+            CallId(pending.call_id),
+            request_id(state.session_id, CallId(pending.call_id)),
             pending.started.turn,
             action.prompt,
             pending.started.prompt_digest,
@@ -398,4 +403,4 @@ def _resume(state: SessionState, pending: Step, action: Any, step: int) -> Move:
             f"but the program now asks for {action!r}",
             "NonDeterminism",
         )
-    return WaitFor(pending.call_id, pending.status.value)
+    return WaitFor(CallId(pending.call_id), pending.status.value)

@@ -46,6 +46,7 @@ from typing import Any
 
 from schemas import events as ev
 from schemas.envelope import Envelope
+from schemas.events import CallId, CheckpointId
 
 
 class SessionStatus(StrEnum):
@@ -70,20 +71,20 @@ def _generation_prefix(generation: int) -> str:
     return f"r{generation}." if generation else ""
 
 
-def llm_call_id(step: int, generation: int = 0) -> str:
-    return f"{_generation_prefix(generation)}llm-{step}"
+def llm_call_id(step: int, generation: int = 0) -> CallId:
+    return CallId(f"{_generation_prefix(generation)}llm-{step}")
 
 
-def tool_call_id(step: int, generation: int = 0) -> str:
-    return f"{_generation_prefix(generation)}tool-{step}"
+def tool_call_id(step: int, generation: int = 0) -> CallId:
+    return CallId(f"{_generation_prefix(generation)}tool-{step}")
 
 
-def checkpoint_step_id(step: int, generation: int = 0) -> str:
-    return f"{_generation_prefix(generation)}ckpt-{step}"
+def checkpoint_step_id(step: int, generation: int = 0) -> CheckpointId:
+    return CheckpointId(f"{_generation_prefix(generation)}ckpt-{step}")
 
 
-def fork_step_id(step: int, generation: int = 0) -> str:
-    return f"{_generation_prefix(generation)}fork-{step}"
+def fork_step_id(step: int, generation: int = 0) -> CheckpointId:
+    return CheckpointId(f"{_generation_prefix(generation)}fork-{step}")
 
 
 COMPENSATION_PREFIX = "undo."

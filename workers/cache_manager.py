@@ -81,6 +81,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from log import Draft, LoggedEvent, SharedLog
+from log.topics import AGENT_ACTIONS, AGENT_EFFECTS, KV_DECISIONS, KV_EVENTS
 from schemas import events as ev
 from schemas.events import CacheDecisionMade, Model, SessionId
 from services.cache.manager import CacheManager, Decided, ManagerConfig
@@ -89,8 +90,8 @@ from workers.crash import crash_point
 
 _log = logging.getLogger(__name__)
 
-INPUT_TOPICS = ("agent.actions", "agent.effects", "kv.events")
-DECISIONS_TOPIC = "kv.decisions"
+INPUT_TOPICS = (AGENT_ACTIONS.name, AGENT_EFFECTS.name, KV_EVENTS.name)
+DECISIONS_TOPIC = KV_DECISIONS.name
 MAX_QUEUED_DECISIONS = 5000
 """Decisions that may wait behind the append in flight before the loop waits for it."""
 

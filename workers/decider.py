@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from log import LoggedEvent, SharedLog
+from log.topics import AGENT_ACTIONS, AGENT_VERDICTS, OPS_COMMANDS
 from schemas import events as ev
 from schemas.events import VoteDecision
 from services.session import SessionState, ToolCall, ToolStatus
@@ -25,7 +26,7 @@ from workers.runtime import SessionWorker, add_snapshot_arguments, open_snapshot
 
 class DeciderWorker(SessionWorker):
     role = "decider"
-    topics = ("agent.actions", "ops.commands", "agent.verdicts")
+    topics = (AGENT_ACTIONS.name, OPS_COMMANDS.name, AGENT_VERDICTS.name)
     acts_on = frozenset({ToolStatus.PROPOSED})
     reconcile_every_s = 5.0
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from log import LoggedEvent, SharedLog
+from log.topics import AGENT_ACTIONS, AGENT_EFFECTS, AGENT_VERDICTS, OPS_COMMANDS
 from schemas import events as ev
 from schemas.events import ApprovalDecision
 from services.session import SessionState, ToolCall, ToolStatus
@@ -46,7 +47,7 @@ _log = logging.getLogger(__name__)
 
 class ExecutorWorker(SessionWorker):
     role = "executor"
-    topics = ("agent.verdicts", "agent.actions", "agent.effects", "ops.commands")
+    topics = (AGENT_VERDICTS.name, AGENT_ACTIONS.name, AGENT_EFFECTS.name, OPS_COMMANDS.name)
     reports_duplicate_verdicts = True
     acts_on = frozenset({ToolStatus.COMMITTED, ToolStatus.STARTED, ToolStatus.IN_DOUBT})
 

@@ -2,9 +2,10 @@
 
 Reads agent.actions, agent.verdicts, agent.effects and ops.commands; appends
 only to agent.actions. For each session of its partitions it asks
-``services.planning.next_move`` what to do and does it: start a requested
-session, call the engine (``LLMCallStarted`` before, ``LLMCallCompleted``
-after), propose a tool call, finish or fail. Verdicts and effects are other
+``services.planning.next_move`` what to do and does it, appending the events
+``services.decide`` says carry the move out: start a requested session, call the
+engine (``LLMCallStarted`` before, ``LLMCallCompleted`` after), propose a tool
+call, finish or fail. Verdicts and effects are other
 roles' work: the planner waits for them in the log.
 
 Each session is driven by at most one task at a time; an event that arrives
@@ -36,23 +37,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 from typing import Any
 
 from log import LoggedEvent, SharedLog
 from log.snapshots import SnapshotStore
+from log.topics import SESSION_TOPICS
 from schemas import events as ev
+from schemas.events import CheckpointId
 from services.checkpoint import (
     after_cut,
     fold_events,
     merge_plan,
     merge_waits,
 )
+from services.decide import (
+    Append,
+    checkpoint_taken,
+    decide,
+    engine_failed,
+    fork_args,
+    fork_created,
+    llm_completed,
+    merge_outcome,
+    restore_applied,
+)
 from services.planning import (
     ApplyRestore,
     CallEngine,
+    CutCheckpoint,
     FailSession,
     FinishSession,
     Idle,
@@ -63,17 +77,16 @@ from services.planning import (
     RefuseRestore,
     StartBranches,
     StartSession,
-    TakeCheckpoint,
     WaitFor,
     next_move,
 )
 from services.programs import PROGRAMS, Program
+from services.replay import cut_events
 from services.session import SessionState
-from services.tools import TOOLS, idempotency_key
 from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable
 from workers.engines.factory import ENGINE_KINDS, create_engine
-from workers.replay import cut_events, session_at, take_checkpoint
+from workers.replay import session_at, take_checkpoint
 from workers.runtime import SessionWorker, log_namespace, snapshot_url
 
 __all__ = ["PlannerWorker", "log_namespace", "snapshot_url"]  # the last two moved to workers.runtime
@@ -85,7 +98,7 @@ ENGINE_RETRY_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 
 class PlannerWorker(SessionWorker):
     role = "planner"
-    topics = ("agent.actions", "agent.verdicts", "agent.effects", "ops.commands")
+    topics = SESSION_TOPICS
     reports_unknown_sessions = True
     reconcile_every_s = 5.0
 
@@ -206,44 +219,18 @@ class PlannerWorker(SessionWorker):
                 return False
             case NeedBase():
                 await self._inherit(state)
-            case TakeCheckpoint():
+            case CutCheckpoint():
                 await self._checkpoint(state, move)
             case ProposeCompensations():
-                for comp in move.compensations:
-                    spec = TOOLS.get(comp.tool)
-                    await self.append(
-                        sid,
-                        ev.ToolCallProposed(
-                            call_id=comp.call_id,
-                            tool=comp.tool,
-                            arguments_json=comp.arguments_json,
-                            effect_class=spec.effect_class if spec else ev.EffectClass.IRREVERSIBLE,
-                            idempotency_key=idempotency_key(sid, comp.call_id),
-                        ),
-                        kind="proposed",
-                        key=comp.call_id,
-                        cause=move.cause,
-                    )
+                await self._append_all(decide(state, move, engine_id=self.engine.engine_id))
                 crash_point("planner.after_compensations")
             case ApplyRestore():
                 crash_point("planner.before_restore")
                 checkpoint = state.checkpoints[move.plan.checkpoint_id]
                 history = await self.log.history(sid)
                 num_abandoned = len(after_cut(cut_events(history), checkpoint.taken.cut))
-                body = ev.RestoreApplied(
-                    checkpoint_id=move.plan.checkpoint_id,
-                    num_abandoned=num_abandoned,
-                    compensated_call_ids=list(move.plan.compensated),
-                )
-                await self.append(sid, body, kind="restore", key=move.cause, cause=move.cause)
+                await self._append_all([restore_applied(state, move, num_abandoned)])
                 _log.info("session %s restored to %s", sid, move.plan.checkpoint_id)
-            case RefuseRestore():
-                refusal = ev.RestoreRefused(
-                    checkpoint_id=move.plan.checkpoint_id,
-                    blocking_call_ids=list(move.plan.blocking),
-                    reason=move.plan.refused or "refused",
-                )
-                await self.append(sid, refusal, kind="restore", key=move.cause, cause=move.cause)
             case MergeBranches():
                 return await self._merge(state, move.branch_session_ids, cause=move.cause, key=move.cause or "")
             case StartBranches():
@@ -252,53 +239,29 @@ class PlannerWorker(SessionWorker):
                     await self._create_fork(state, branch_id, move.call_id, checkpoint.taken.cut, args_json)
                 crash_point("planner.after_branches")
                 return await self._merge(state, tuple(b for b, _ in move.branches), cause=None, key=move.call_id)
-            case StartSession():
-                await self.append(sid, ev.SessionStarted(program=move.program, args_json=move.args_json), kind="start")
             case CallEngine():
                 await self._call_engine(state, move)
             case ProposeTool():
-                await self.append(
-                    sid,
-                    ev.ToolCallProposed(
-                        call_id=move.call_id,
-                        tool=move.tool,
-                        arguments_json=move.arguments_json,
-                        effect_class=move.effect_class,
-                        idempotency_key=move.idempotency_key,
-                        compensation_tool=move.compensation_tool,
-                        resource=move.resource,
-                    ),
-                    kind="proposed",
-                    key=move.call_id,
-                )
+                await self._append_all(decide(state, move, engine_id=self.engine.engine_id))
                 crash_point("planner.after_proposed")
-            case FinishSession():
-                await self.append(
-                    sid,
-                    ev.SessionFinished(
-                        output_json=move.output_json,
-                        num_llm_calls=move.num_llm_calls,
-                        num_tool_calls=move.num_tool_calls,
-                    ),
-                    kind="end",
-                    key=_end_key(state),
-                )
             case FailSession():
                 _log.warning("session %s fails: %s (%s)", sid, move.reason, move.error_type)
-                await self.append(
-                    sid,
-                    ev.SessionFailed(reason=move.reason, error_type=move.error_type),
-                    kind="end",
-                    key=_end_key(state),
-                )
+                await self._append_all(decide(state, move, engine_id=self.engine.engine_id))
+            case StartSession() | RefuseRestore() | FinishSession():
+                await self._append_all(decide(state, move, engine_id=self.engine.engine_id))
         return True
+
+    async def _append_all(self, appends: list[Append]) -> None:
+        """Append what ``services.decide`` says carries a move out, in order."""
+        for a in appends:
+            await self.append(a.session_id, a.body, kind=a.kind, key=a.key, cause=a.cause)
 
     # ------------------------------------------------- checkpoint, fork, merge
 
-    async def _checkpoint(self, state: SessionState, move: TakeCheckpoint) -> None:
+    async def _checkpoint(self, state: SessionState, move: CutCheckpoint) -> None:
         """Cut the session's log here, fold it, store a snapshot, append CheckpointTaken."""
         body = await take_checkpoint(self.log, self.snapshots, state.session_id, move.checkpoint_id)
-        await self.append(state.session_id, body, kind="checkpoint", key=move.checkpoint_id, cause=move.cause)
+        await self._append_all([checkpoint_taken(state, move, body)])
         crash_point("planner.after_checkpoint")
 
     async def _inherit(self, state: SessionState) -> None:
@@ -322,20 +285,19 @@ class PlannerWorker(SessionWorker):
             checkpoint = state.checkpoints.get(request.checkpoint_id)
             if checkpoint is None:
                 continue  # the checkpoint may still be on its way (another topic); looked at again later
-            args_json = json.dumps(state.args, sort_keys=True)
             await self._create_fork(
-                state, request.fork_session_id, request.checkpoint_id, checkpoint.taken.cut, args_json
+                state,
+                request.fork_session_id,
+                CheckpointId(request.checkpoint_id),
+                checkpoint.taken.cut,
+                fork_args(state),
             )
             self._forked.add(request_id)
 
     async def _create_fork(
-        self, parent: SessionState, fork_id: str, checkpoint_id: str, cut: dict[str, int], args_json: str
+        self, parent: SessionState, fork_id: str, checkpoint_id: CheckpointId, cut: dict[str, int], args_json: str
     ) -> None:
-        # SessionStarted first: the fork exists; it waits for ForkCreated (its lineage) before any step.
-        started = ev.SessionStarted(program=parent.program, args_json=args_json, parent_session_id=parent.session_id)
-        await self.append(fork_id, started, kind="start")
-        created = ev.ForkCreated(parent_session_id=parent.session_id, checkpoint_id=checkpoint_id, cut=cut)
-        await self.append(fork_id, created, kind="fork")
+        await self._append_all(fork_created(parent, fork_id, checkpoint_id, cut, args_json))
         if self.log.partition_for(fork_id) in self._ready:
             self.kick(fork_id)  # our own appends are not read back as news: start it ourselves
         else:
@@ -345,24 +307,17 @@ class PlannerWorker(SessionWorker):
         sid = state.session_id
         branches = {b: fold_events(b, cut_events(await self.log.history(b))) for b in branch_ids}
         plan = merge_plan(branches, sid, await self._merge_waiters(branches))
-        if not plan.conflicted and plan.waiting_for:
+        outcome = merge_outcome(state, branch_ids, plan, cause=cause, key=key)
+        if outcome is None:
             for branch in plan.waiting_for:
                 self._waiting_on.setdefault(branch, set()).add(sid)
             return False
         for branch in branch_ids:
             self._waiting_on.get(branch, set()).discard(sid)
         crash_point("planner.before_merge")
-        body: ev.MergeApplied | ev.MergeConflict
         if plan.conflicted:
-            body = ev.MergeConflict(
-                branch_session_ids=list(branch_ids), conflicts=list(plan.conflicts), resources=list(plan.resources)
-            )
             _log.warning("merge into %s conflicts: %s", sid, "; ".join(plan.conflicts))
-        else:
-            body = ev.MergeApplied(
-                branch_session_ids=list(branch_ids), results_json=json.dumps(plan.results, sort_keys=True)
-            )
-        await self.append(sid, body, kind="merge", key=key, cause=cause)
+        await self._append_all([outcome])
         return True
 
     async def _merge_waiters(self, branches: dict[str, SessionState], limit: int = 64) -> dict[str, SessionState]:
@@ -381,46 +336,28 @@ class PlannerWorker(SessionWorker):
     async def _call_engine(self, state: SessionState, move: CallEngine) -> None:
         sid = state.session_id
         if not move.resume:
-            await self.append(
-                sid,
-                ev.LLMCallStarted(
-                    call_id=move.call_id,
-                    turn=move.turn,
-                    engine_id=self.engine.engine_id,
-                    prompt_tokens=move.prompt.num_tokens,
-                    max_output_tokens=move.max_output_tokens,
-                    prompt_digest=move.prompt_digest,
-                ),
-                kind="llm-started",
-                key=move.call_id,
-            )
+            await self._append_all(decide(state, move, engine_id=self.engine.engine_id))
             crash_point("planner.after_llm_started")
         try:
             completion = await self._complete(sid, move)
         except EngineError as e:
-            await self.append(
-                sid, ev.SessionFailed(reason=str(e), error_type="EngineError"), kind="end", key=_end_key(state)
-            )
+            await self._append_all([engine_failed(state, str(e))])
             return
         crash_point("planner.after_engine")
         self.num_engine_calls += 1
-        await self.append(
-            sid,
-            ev.LLMCallCompleted(
-                call_id=move.call_id,
-                engine_id=completion.engine_id,
-                prompt_tokens=completion.prompt_tokens,
-                cached_tokens=completion.cached_tokens,
-                output_tokens=completion.output_tokens,
-                output_text=completion.text,
-                finish_reason=completion.finish_reason,
-                queue_ms=completion.queue_ms,
-                prefill_ms=completion.prefill_ms,
-                decode_ms=completion.decode_ms,
-            ),
-            kind="llm-completed",
-            key=move.call_id,
+        completed = ev.LLMCallCompleted(
+            call_id=move.call_id,
+            engine_id=completion.engine_id,
+            prompt_tokens=completion.prompt_tokens,
+            cached_tokens=completion.cached_tokens,
+            output_tokens=completion.output_tokens,
+            output_text=completion.text,
+            finish_reason=completion.finish_reason,
+            queue_ms=completion.queue_ms,
+            prefill_ms=completion.prefill_ms,
+            decode_ms=completion.decode_ms,
         )
+        await self._append_all([llm_completed(state, move, completed)])
         crash_point("planner.after_llm_completed")
 
     async def _complete(self, session_id: str, move: CallEngine) -> Any:
@@ -445,13 +382,7 @@ class PlannerWorker(SessionWorker):
                 attempt += 1
 
 
-CUT_TOPICS = ("agent.actions", "agent.verdicts", "agent.effects", "ops.commands")
 _BRANCH_NEWS = (ev.SessionFinished, ev.SessionFailed, ev.ToolCallInDoubt, ev.ToolCallStarted)
-
-
-def _end_key(state: SessionState) -> str:
-    """A session ends once per generation: a restored session's new end is a new event."""
-    return f"r{state.generation}" if state.generation else ""
 
 
 if __name__ == "__main__":

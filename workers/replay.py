@@ -1,8 +1,10 @@
 """Folding sessions from the log, from the first event or from a snapshot, and taking checkpoints.
 
-Shared by the planner (checkpoints, a fork's parent history), ``logctl state``
-and ``bench/replay_snapshots.py``, so that all of them cut, fold and snapshot
-the same way (rules in ``services/checkpoint.py``, storage in ``log/snapshots.py``).
+Shared by the planner (checkpoints, a fork's parent history), the role workers
+(loading a session met late: ``load_session``), ``logctl state`` and
+``bench/replay_snapshots.py``, so that all of them cut, fold and snapshot the
+same way (rules in ``services/checkpoint.py`` and ``services/replay.py``,
+storage in ``log/snapshots.py``).
 
 - ``take_checkpoint``: end offsets of the session's partition, then its
   history; the cut is past both; the fold of that history (plus, for a fork,
@@ -19,7 +21,8 @@ and its digest column can be rewritten together). Its checkpoint's
 ``CheckpointTaken`` is appended after the snapshot is saved, so it lies after
 the cut: the tail (read from the cut, chains seeded from the snapshot's tails)
 must hold it, and the snapshot is used only if ``json_digest(snapshot.state)``
-equals that record's ``state_digest`` and the snapshot's cut equals its cut.
+equals that record's ``state_digest`` and the snapshot's cut equals its cut
+(``services.replay.distrust``).
 The digest covers every field of the state except the set of applied event ids
 (``services/checkpoint.py``); of that set, only its size is checked (it must
 equal ``num_events``, which the digest covers). Otherwise (no such record on
@@ -35,27 +38,21 @@ from dataclasses import dataclass
 
 from log import LoggedEvent, SharedLog
 from log.snapshots import ChainTailAt, Snapshot, SnapshotStore, read_tail, tails_below
-from log.topics import TOPIC_ORDER
+from log.topics import SESSION_TOPICS
 from schemas import events as ev
 from services.checkpoint import (
-    SESSION_TOPICS,
-    CutEvent,
     before_cut,
     cut_of,
     effects_of,
     fold_events,
-    json_digest,
     state_digest,
     state_from_json,
     state_to_json,
 )
+from services.replay import cut_events, distrust, without_parent_history
 from services.session import SessionState
 
 _log = logging.getLogger(__name__)
-
-
-def cut_events(history: list[LoggedEvent]) -> list[CutEvent]:
-    return [CutEvent(e.topic, e.position.offset, e.envelope) for e in history]
 
 
 async def session_at(
@@ -135,37 +132,12 @@ async def replay_session(
     return Replayed(state, f"snapshot {snapshot.checkpoint_id}", len(tail))
 
 
-def distrust(snapshot: Snapshot, tail: list[LoggedEvent]) -> str | None:
-    """Why the snapshot is not trusted, given the session's verified records after its cut
-    (chains seeded from the snapshot's tails); None when its ``CheckpointTaken`` vouches for it."""
-    taken = next(
-        (
-            e.body
-            for e in tail
-            if isinstance(e.body, ev.CheckpointTaken) and e.body.checkpoint_id == snapshot.checkpoint_id
-        ),
-        None,
-    )
-    if taken is None:
-        reason = "its CheckpointTaken is not on the log after its cut"
-    elif taken.state_digest != json_digest(snapshot.state):
-        reason = "its state does not have the digest its CheckpointTaken carries"
-    elif taken.cut != snapshot.cut:
-        reason = "its cut is not its CheckpointTaken's"
-    elif len(set(snapshot.state.get("applied", []))) != snapshot.state.get("num_events"):
-        # The digest leaves the applied ids out; each folded event adds one, so at least the count must hold.
-        reason = "its applied event ids do not number its events"
-    else:
-        return None
-    return reason
-
-
 async def _trusted(log: SharedLog, snapshot: Snapshot) -> tuple[SessionState, list[LoggedEvent]] | None:
     """The snapshot's state and the session's verified records after its cut, if the
     ``CheckpointTaken`` among those records vouches for the state; else None: the
     caller folds the log instead."""
     tail = await read_tail(log, snapshot.session_id, snapshot.cut, snapshot.tails)
-    reason = distrust(snapshot, tail)
+    reason = distrust(snapshot.checkpoint_id, snapshot.cut, snapshot.state, tail)
     if reason is None:
         return state_from_json(snapshot.state), tail
     _log.warning(
@@ -178,29 +150,6 @@ async def _trusted(log: SharedLog, snapshot: Snapshot) -> tuple[SessionState, li
 
 
 # ------------------------------------------------- for role workers (marks)
-
-
-def history_order(events: list[LoggedEvent]) -> list[LoggedEvent]:
-    """``SharedLog.history``'s order, the one ``fold_events`` is proven on (``read_tail`` sorts so too)."""
-    return sorted(events, key=lambda e: (e.envelope.occurred_at, TOPIC_ORDER[e.topic], e.seq))
-
-
-def without_parent_history(state: SessionState) -> SessionState:
-    """A fork's fold of its own events only, from a snapshot that had its parent's history added.
-
-    A fork's snapshot holds ``inherit``'s steps (``take_checkpoint`` adds them); a role worker's
-    fold never does (the planner adds them itself, when it needs them: ``NeedBase``), so a
-    worker recovering from a snapshot takes them out again: they are the steps with an origin,
-    and the context the inheritance set.
-    """
-    if not state.inherited:
-        return state
-    state.llm_calls = {c: s for c, s in state.llm_calls.items() if s.origin is None}
-    state.tool_calls = {c: s for c, s in state.tool_calls.items() if s.origin is None}
-    state.planner_steps = {c: s for c, s in state.planner_steps.items() if s.origin is None}
-    state.context_id = state.session_id
-    state.inherited = False
-    return state
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ its state from the log and continues; every append it makes uses a
 deterministic event id, so redoing an append is a no-op.
 
 **Marks** (with a snapshot store; docs/branches.md, "Worker recovery"). A
-caught-up worker saves, per partition, a mark (``workers/marks.py``): every
+caught-up worker saves, per partition, a mark (``services/marks.py``): every
 ``mark_every`` events it folds there, when the partition catches up, and on a
 clean shutdown. A member that is assigned a partition with a mark (after a
 restart, or taking it over) reads each topic from the mark's start instead
@@ -47,20 +47,21 @@ import signal
 import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 
-from log import DuplicateVerdict, LoggedEvent, RecordError, SharedLog, UnknownSession
+from log import Draft, DuplicateVerdict, LoggedEvent, RecordError, SharedLog, UnknownSession
 from log.consumer import ChainSeed, EventConsumer, StartAt
-from log.snapshots import PartitionMark, Snapshot, SnapshotStore
+from log.snapshots import Snapshot, SnapshotStore
+from log.types import PartitionMark
 from schemas.envelope import Envelope
 from schemas.events import Event, SessionRequested, SessionStarted
 from services.checkpoint import fold_events, state_from_json
+from services.marks import IN_FLIGHT, SessionLow, make_mark, needs_work
+from services.replay import cut_events, distrust, history_order, without_parent_history
 from services.session import SessionState, ToolStatus
-from workers.marks import IN_FLIGHT, SessionLow, make_mark, needs_work
-from workers.replay import cut_events, distrust, history_order, load_session, without_parent_history
+from workers.replay import load_session
 
 _log = logging.getLogger(__name__)
 
@@ -250,7 +251,10 @@ class SessionWorker:
     async def append(self, session_id: str, body: Event, *, kind: str, key: str = "", cause: str | None = None) -> None:
         """Append with a deterministic event id and fold the event into our state at once."""
         eid = event_id(session_id, kind, key)
-        await self.log.append(session_id, body, event_id=eid, causation_id=cause)
+        # The time is read from the log's clock here and stamped on the record, so that our
+        # fold and every reader's fold of this event see the same occurred_at.
+        occurred_at = self.log.clock()
+        await self.log.append_many([Draft(session_id, body, eid, cause, occurred_at)])
         # Fold our own write now; reading it back later is a no-op (same event id).
         self.state(session_id).apply(
             Envelope.model_construct(
@@ -258,7 +262,7 @@ class SessionWorker:
                 session_id=session_id,
                 seq=-1,
                 actor=self.log.actor,
-                occurred_at=datetime.now(UTC),
+                occurred_at=occurred_at,
                 causation_id=cause,
                 prev_hash=b"",
                 body=body,
@@ -487,7 +491,7 @@ class SessionWorker:
             reason = (
                 "a chain of it did not follow the snapshot's tails"
                 if any((t, session_id) in rebuilt for t in self.topics)
-                else distrust(snapshot, events)
+                else distrust(snapshot.checkpoint_id, snapshot.cut, snapshot.state, events)
             )
             if reason is None:
                 start = without_parent_history(state_from_json(snapshot.state))

@@ -36,16 +36,17 @@ import pytest
 from cli.common import ensure_topics
 from cli.stack import Stack
 from log import SharedLog, open_log
-from log.snapshots import PartitionMark, SnapshotStore
+from log.snapshots import SnapshotStore
+from log.types import PartitionMark
 from schemas import events as ev
-from services.checkpoint import state_to_json
+from services.checkpoint import fold_events, state_to_json
+from services.marks import needs_work
+from services.replay import cut_events
 from services.session import SessionState
 from workers.decider import DeciderWorker
 from workers.engines.factory import create_engine
 from workers.executor import ExecutorWorker
-from workers.marks import needs_work
 from workers.planner import PlannerWorker
-from workers.replay import cut_events, fold_events
 from workers.runtime import SessionWorker
 from workers.tools import Ledger
 

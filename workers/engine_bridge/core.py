@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from log import SharedLog
+from log.topics import KV_DECISIONS
 from log.types import Draft
 from schemas.events import CacheAction, CacheDecisionMade, KVCacheHit, SessionId
 from workers.crash import crash_point
@@ -171,7 +172,7 @@ class EngineBridge:
     async def _decisions_out(self) -> None:
         await self._wait_for_backlog()
         consumer = await self.log.consumer(
-            self.group, ["kv.decisions"], from_beginning=True, instance_id=self.instance_id
+            self.group, [KV_DECISIONS.name], from_beginning=True, instance_id=self.instance_id
         ).start()
         try:
             while True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from schemas.events import EngineId
 from services.programs.base import Prompt
 
 
@@ -13,7 +14,7 @@ class Completion:
     """What an engine answered, with the numbers the log records."""
 
     request_id: str
-    engine_id: str
+    engine_id: EngineId
     text: str
     prompt_tokens: int
     cached_tokens: int
@@ -35,7 +36,7 @@ class EngineUnavailable(Exception):
 
 
 class Engine(Protocol):
-    engine_id: str
+    engine_id: EngineId
 
     async def complete(self, *, session_id: str, request_id: str, prompt: Prompt, max_output_tokens: int) -> Completion:
         """Run one LLM call. ``request_id`` is the same on every retry of the same call."""

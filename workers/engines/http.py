@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 
+from schemas.events import EngineId
 from services.programs.base import Prompt
 from workers.engines.base import Completion, EngineError, EngineUnavailable
 
@@ -21,7 +22,7 @@ from workers.engines.base import Completion, EngineError, EngineUnavailable
 class HttpEngine:
     def __init__(self, base_url: str, *, engine_id: str = "", model: str = "sim", timeout_s: float = 600) -> None:
         self.base_url = base_url.rstrip("/")
-        self.engine_id = engine_id or base_url
+        self.engine_id = EngineId(engine_id or base_url)
         self.model = model
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None

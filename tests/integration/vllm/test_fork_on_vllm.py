@@ -1,4 +1,4 @@
-"""A fork's first LLM call reuses its parent's KV prefix on a real vLLM server (issue 7).
+"""A fork's first LLM call reuses its parent's KV prefix on a real vLLM server.
 
 A ``script`` session (an LLM call, a checkpoint, an LLM call) runs with an in-process planner
 on ``VllmEngine``; an operator forks it at the checkpoint. The fork inherits its parent's

@@ -105,7 +105,13 @@ def test_dlq_accepts_any_actor() -> None:
         consumer_group="g",
         raw_value=b"",
     )
-    ChainVerifier().verify(topics.AGENT_DLQ, b"s", envelope(0, ZERO_HASH, actor="executor", body=body), AT)
+    dead_letter = envelope(0, ZERO_HASH, actor="executor", body=body)
+    verifier = ChainVerifier()
+    verifier.verify(topics.AGENT_DLQ, b"s", dead_letter, AT)
+    tail = verifier.tail(topics.AGENT_DLQ.name, "s")
+    assert tail is not None and (tail.seq, tail.hash) == (0, dead_letter.hash)  # accepted: its chain goes on from it
+    with pytest.raises(ActorNotAllowed):  # the same actor on an owned topic is refused
+        ChainVerifier().verify(topics.AGENT_ACTIONS, b"s", envelope(0, ZERO_HASH, actor="executor"), AT)
 
 
 def test_chains_are_per_topic_and_session() -> None:

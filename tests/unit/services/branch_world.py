@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from log.topics import AGENT_ACTIONS, AGENT_EFFECTS, AGENT_VERDICTS, OPS_COMMANDS, SESSION_TOPICS
 from schemas import events as ev
 from schemas.envelope import Envelope
+from schemas.events import CheckpointId, EngineId
 from services.checkpoint import (
     CutEvent,
     after_cut,
@@ -33,9 +35,20 @@ from services.checkpoint import (
     state_from_json,
     state_to_json,
 )
+from services.decide import (
+    Append,
+    checkpoint_taken,
+    decide,
+    fork_args,
+    fork_created,
+    llm_completed,
+    merge_outcome,
+    restore_applied,
+)
 from services.planning import (
     ApplyRestore,
     CallEngine,
+    CutCheckpoint,
     FailSession,
     FinishSession,
     Idle,
@@ -46,23 +59,17 @@ from services.planning import (
     RefuseRestore,
     StartBranches,
     StartSession,
-    TakeCheckpoint,
     WaitFor,
     next_move,
 )
 from services.programs import PROGRAMS
 from services.session import SessionState, ToolStatus
-from services.tools import TOOLS, idempotency_key
+from services.tools import TOOLS
 from workers.runtime import event_id
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
-TOPICS = ("agent.actions", "agent.verdicts", "agent.effects", "ops.commands")
-_TOPIC_OF = {
-    "planner": "agent.actions",
-    "decider": "agent.verdicts",
-    "executor": "agent.effects",
-    "operator": "ops.commands",
-}
+ENGINE_ID = EngineId("sim")
+_TOPIC_OF = {t.owner: t.name for t in (AGENT_ACTIONS, AGENT_VERDICTS, AGENT_EFFECTS, OPS_COMMANDS)}
 
 
 @dataclass
@@ -142,86 +149,51 @@ class World:
     # ------------------------------------------------------------- planner
 
     def planner(self, session: str, *, crash_in_llm: bool = False) -> bool:
-        """One planner move; False when it only waits."""
+        """One planner move (``services.decide``'s events, as the planner appends them); False when it only waits."""
         state = self.state(session)
         forked = self._fork_requests(state)
         move = next_move(state, PROGRAMS.get(state.program), checkpoint_every=self.checkpoint_every)
-        end = f"r{state.generation}" if state.generation else ""
-        body: ev.Event
         match move:
             case Idle() | WaitFor() | NeedBase():
                 return forked
-            case StartSession():
-                self.planner_append(session, ev.SessionStarted(program=move.program, args_json=move.args_json), "start")
             case CallEngine():
-                started = ev.LLMCallStarted(
-                    call_id=move.call_id,
-                    turn=move.turn,
-                    engine_id="sim",
-                    prompt_tokens=move.prompt.num_tokens,
-                    max_output_tokens=move.max_output_tokens,
-                    prompt_digest=move.prompt_digest,
-                )
-                self.planner_append(session, started, "llm-started", move.call_id)
+                self.planner_append_all(decide(state, move, engine_id=ENGINE_ID))
                 if crash_in_llm:
                     return True
                 done = ev.LLMCallCompleted(
-                    call_id=move.call_id, engine_id="sim", prompt_tokens=move.prompt.num_tokens, cached_tokens=0,
+                    call_id=move.call_id, engine_id=ENGINE_ID, prompt_tokens=move.prompt.num_tokens, cached_tokens=0,
                     output_tokens=move.max_output_tokens, output_text="ok", finish_reason="length", queue_ms=0,
                     prefill_ms=0, decode_ms=0,
                 )  # fmt: skip
-                self.planner_append(session, done, "llm-completed", move.call_id)
-            case ProposeTool():
-                body = ev.ToolCallProposed(
-                    call_id=move.call_id, tool=move.tool, arguments_json=move.arguments_json,
-                    effect_class=move.effect_class, idempotency_key=move.idempotency_key,
-                    compensation_tool=move.compensation_tool, resource=move.resource,
-                )  # fmt: skip
-                self.planner_append(session, body, "proposed", move.call_id)
-            case FinishSession():
-                body = ev.SessionFinished(output_json=move.output_json, num_llm_calls=0, num_tool_calls=0)
-                self.planner_append(session, body, "end", end)
-            case FailSession():
-                self.planner_append(
-                    session, ev.SessionFailed(reason=move.reason, error_type=move.error_type), "end", end
-                )
-            case TakeCheckpoint():
+                self.planner_append_all([llm_completed(state, move, done)])
+            case StartSession() | ProposeTool() | FinishSession() | FailSession() | ProposeCompensations():
+                self.planner_append_all(decide(state, move, engine_id=ENGINE_ID))
+            case RefuseRestore():
+                self.planner_append_all(decide(state, move, engine_id=ENGINE_ID))
+            case CutCheckpoint():
                 self.take_checkpoint(state, move)
-            case ProposeCompensations():
-                for comp in move.compensations:
-                    body = ev.ToolCallProposed(
-                        call_id=comp.call_id, tool=comp.tool, arguments_json=comp.arguments_json,
-                        effect_class=TOOLS[comp.tool].effect_class,
-                        idempotency_key=idempotency_key(session, comp.call_id),
-                    )  # fmt: skip
-                    self.planner_append(session, body, "proposed", comp.call_id, move.cause)
             case ApplyRestore():
                 cut = state.checkpoints[move.plan.checkpoint_id].taken.cut
-                body = ev.RestoreApplied(
-                    checkpoint_id=move.plan.checkpoint_id,
-                    num_abandoned=len(after_cut(self.events[session], cut)),
-                    compensated_call_ids=list(move.plan.compensated),
-                )
-                self.planner_append(session, body, "restore", move.cause, move.cause)
-            case RefuseRestore():
-                body = ev.RestoreRefused(
-                    checkpoint_id=move.plan.checkpoint_id,
-                    blocking_call_ids=list(move.plan.blocking),
-                    reason=move.plan.refused or "",
-                )
-                self.planner_append(session, body, "restore", move.cause, move.cause)
+                self.planner_append_all([restore_applied(state, move, len(after_cut(self.events[session], cut)))])
             case MergeBranches():
-                return self.merge(session, move.branch_session_ids, move.cause, move.cause or "")
+                return self.merge(state, move.branch_session_ids, move.cause, move.cause or "")
             case StartBranches():
                 cut = state.checkpoints[move.call_id].taken.cut
                 created = [self.create_fork(state, b, move.call_id, cut, args) for b, args in move.branches]
-                return self.merge(session, tuple(b for b, _ in move.branches), None, move.call_id) or any(created)
+                return self.merge(state, tuple(b for b, _ in move.branches), None, move.call_id) or any(created)
         return True
 
-    def take_checkpoint(self, state: SessionState, move: TakeCheckpoint) -> None:
+    def planner_append_all(self, appends: list[Append]) -> bool:
+        """Append in order; True when any of them was new."""
+        new = False
+        for a in appends:
+            new |= self.planner_append(a.session_id, a.body, a.kind, a.key, a.cause)
+        return new
+
+    def take_checkpoint(self, state: SessionState, move: CutCheckpoint) -> None:
         session = state.session_id
         events = self.events[session]
-        cut = cut_of(events, {t: self.offsets[t] for t in TOPICS})
+        cut = cut_of(events, {t: self.offsets[t] for t in SESSION_TOPICS})
         at_cut = self.state_at(session, cut)
         self.snapshots[(session, move.checkpoint_id)] = (cut, state_to_json(at_cut))
         body = ev.CheckpointTaken(
@@ -231,39 +203,30 @@ class World:
             effects=effects_of(at_cut),
             num_events=at_cut.num_events,
         )
-        self.planner_append(session, body, "checkpoint", move.checkpoint_id, move.cause)
+        self.planner_append_all([checkpoint_taken(state, move, body)])
 
     def _fork_requests(self, state: SessionState) -> bool:
         forked = False
         for _, request in state.fork_requests:
             checkpoint = state.checkpoints.get(request.checkpoint_id)
             if checkpoint is not None:
-                args = json.dumps(state.args, sort_keys=True)
+                checkpoint_id = CheckpointId(request.checkpoint_id)
                 cut = checkpoint.taken.cut
-                forked |= self.create_fork(state, request.fork_session_id, request.checkpoint_id, cut, args)
+                forked |= self.create_fork(state, request.fork_session_id, checkpoint_id, cut, fork_args(state))
         return forked
 
-    def create_fork(self, parent: SessionState, fork: str, checkpoint_id: str, cut: dict[str, int], args: str) -> bool:
-        started = ev.SessionStarted(program=parent.program, args_json=args, parent_session_id=parent.session_id)
-        new = self.planner_append(fork, started, "start")
-        created = ev.ForkCreated(parent_session_id=parent.session_id, checkpoint_id=checkpoint_id, cut=cut)
-        return self.planner_append(fork, created, "fork") or new
+    def create_fork(
+        self, parent: SessionState, fork: str, checkpoint_id: CheckpointId, cut: dict[str, int], args: str
+    ) -> bool:
+        return self.planner_append_all(fork_created(parent, fork, checkpoint_id, cut, args))
 
-    def merge(self, session: str, branches: tuple[str, ...], cause: str | None, key: str) -> bool:
+    def merge(self, state: SessionState, branches: tuple[str, ...], cause: str | None, key: str) -> bool:
         others = {s: self.own_state(s) for s in self.sessions()}
-        plan = merge_plan({b: self.own_state(b) for b in branches}, session, others)
-        if not plan.conflicted and plan.waiting_for:
+        plan = merge_plan({b: self.own_state(b) for b in branches}, state.session_id, others)
+        outcome = merge_outcome(state, branches, plan, cause=cause, key=key)
+        if outcome is None:
             return False
-        body: ev.MergeApplied | ev.MergeConflict
-        if plan.conflicted:
-            body = ev.MergeConflict(
-                branch_session_ids=list(branches), conflicts=list(plan.conflicts), resources=list(plan.resources)
-            )
-        else:
-            body = ev.MergeApplied(
-                branch_session_ids=list(branches), results_json=json.dumps(plan.results, sort_keys=True)
-            )
-        self.planner_append(session, body, "merge", key, cause)
+        self.planner_append_all([outcome])
         return True
 
     # ------------------------------------------------------ decider, executor

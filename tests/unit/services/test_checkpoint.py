@@ -17,7 +17,7 @@ from services.checkpoint import (
     state_from_json,
     state_to_json,
 )
-from services.planning import MergeBranches, RefuseRestore, TakeCheckpoint, WaitFor, next_move
+from services.planning import CutCheckpoint, MergeBranches, RefuseRestore, WaitFor, next_move
 from services.programs import PROGRAMS
 from services.session import SessionStatus, step_of
 from tests.unit.services.branch_world import World
@@ -233,7 +233,7 @@ def test_automatic_checkpoints_every_n_events() -> None:
     assert len(automatic) >= 2 and state.finished
     for checkpoint_id in automatic:
         assert state_to_json(world.replay_from_snapshot("s", checkpoint_id)) == state_to_json(state)
-    assert not isinstance(next_move(state, PROGRAMS["script"], checkpoint_every=8), TakeCheckpoint)
+    assert not isinstance(next_move(state, PROGRAMS["script"], checkpoint_every=8), CutCheckpoint)
 
 
 def test_a_second_checkpoint_request_with_a_taken_id_does_not_block_the_session() -> None:

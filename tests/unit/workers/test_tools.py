@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from workers.crash import crash_point
 from workers.runtime import event_id
 from workers.tools import ToolContext, echo, file_write, sleep, trace_tool
 
@@ -53,5 +56,20 @@ def test_event_ids_are_deterministic() -> None:
     assert event_id("s", "verdict", "tool-1") != event_id("s", "verdict", "tool-2")
 
 
+def _reach_crash_point(armed: str) -> subprocess.CompletedProcess[str]:
+    """A process that reaches ``nowhere.at_all`` twice and says so after each, with ``armed`` armed."""
+    script = (
+        "from workers.crash import crash_point\n"
+        "for _ in range(2):\n"
+        "    crash_point('nowhere.at_all')\n"
+        "    print('passed', flush=True)\n"
+    )
+    env = {**os.environ, "AGENTLOG_CRASH_AT": armed}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+
+
 def test_unarmed_crash_point_does_nothing() -> None:
-    crash_point("nowhere.at_all")
+    unarmed = _reach_crash_point("elsewhere.other_point")
+    assert (unarmed.returncode, unarmed.stdout.split()) == (0, ["passed", "passed"])
+    armed = _reach_crash_point("nowhere.at_all:2")  # the same process, with this point armed: killed at its 2nd hit
+    assert (armed.returncode, armed.stdout.split()) == (-signal.SIGKILL, ["passed"])

@@ -165,7 +165,11 @@ def test_invalid_sessions_are_rejected_with_a_clear_message(
 
 
 def test_the_second_turn_may_start_with_no_new_prompt() -> None:
-    TraceSession.from_json_line(mutate(_set(("turns", 1, "prompt_tokens"), 0)))
+    session = TraceSession.from_json_line(mutate(_set(("turns", 1, "prompt_tokens"), 0)))
+    assert session.turns[1] == TraceTurn(0, 10)
+    assert session.final_context_tokens == 100 + 20 + 30 + 10  # the second call appends only its output
+    with pytest.raises(TraceFormatError, match="turn 0: the first LLM call needs prompt_tokens >= 1"):
+        TraceSession.from_json_line(mutate(_set(("turns", 0, "prompt_tokens"), 0)))  # only the first needs one
 
 
 def test_a_line_that_is_not_json_names_its_line_number() -> None:

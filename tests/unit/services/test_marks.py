@@ -1,21 +1,22 @@
-"""Partition marks (workers/marks.py) and the pure helpers of worker recovery (workers/replay.py)."""
+"""Partition marks (services/marks.py) and the pure helpers of worker recovery (services/replay.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from log.topics import SESSION_TOPICS
 from schemas import events as ev
 from services.checkpoint import state_from_json, state_to_json
+from services.marks import SessionLow, make_mark, needs_work, session_start
+from services.replay import without_parent_history
 from services.session import SessionState, ToolStatus
 from tests.unit.services.branch_world import World
-from workers.marks import SessionLow, make_mark, needs_work, session_start
-from workers.replay import without_parent_history
 
 LLM: dict[str, Any] = {"llm": {"prompt_tokens": 32, "output_tokens": 4}}
 ECHO: dict[str, Any] = {"tool": "echo", "arguments": {"text": "hi"}}
 DECIDER = frozenset({ToolStatus.PROPOSED})
 EXECUTOR = frozenset({ToolStatus.COMMITTED, ToolStatus.STARTED, ToolStatus.IN_DOUBT})
-TOPICS = ("agent.actions", "agent.verdicts", "agent.effects", "ops.commands")
+TOPICS = SESSION_TOPICS
 
 
 def test_a_finished_session_needs_no_work_unless_a_role_still_acts_on_it() -> None:
