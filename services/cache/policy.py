@@ -445,7 +445,7 @@ class CachePolicy:
             return [release]
         swap = CacheDecision(
             view.session_id, CacheAction.SWAP, score, distance, view.gpu_blocks,
-            self.relook_s(view.gpu_blocks, distance), "memory pressure: swapping costs less than the tail's recompute",
+            self.relook_s(view.gpu_blocks, distance), "memory pressure: swap-in is cheaper than recompute",
         )  # fmt: skip
         return [*room, swap]
 
