@@ -26,7 +26,7 @@ vLLM server (``workers.engine_bridge.vllm.VllmKVSource``), its decisions carried
 ``VllmActuator`` through the scheduler's control channel: pins with TTL, release, discard,
 and releases under pressure in its ranking. Its clock is trace time (wall / time scale).
 
-**Simulator.** ``bench.cache_policies.Sim`` on the same sessions and arrivals, with the same
+**Simulator.** ``services.engine.serial.Sim`` on the same sessions and arrivals, with the same
 KV pool (blocks of 32 tokens, no host tier), policies ``vllm`` and ``ours``. Its cost model
 is Llama-3-8B on an A100, so its job times are not the tiny model's on a CPU; the token counts
 and the ratios are what compare.
@@ -50,11 +50,12 @@ from typing import Any
 import aiohttp
 
 from bench.cache_fullstack import load_sessions
-from bench.cache_policies import Sim, cap_context, make_manager
+from bench.cache_policies import cap_context, make_manager
 from schemas import events as ev
 from schemas.events import SessionId
 from services.cache.manager import CacheManager, ManagerConfig
 from services.engine.cost import CostModel
+from services.engine.serial import Sim
 from services.programs.base import Prompt, TokenRun
 from services.traces.model import Trace, TraceSession
 from workers.engine_bridge.base import ActuationRefused

@@ -39,8 +39,11 @@ events after a restart appends nothing twice):
   A session holding no blocks gets no decision.
 - ``pressure``: ``LLMCallStarted`` charges the call; if ``used > total`` the manager
   evicts pinned sessions, lowest survival score first (ties by session id), until the
-  deficit is covered: SWAP when the host has room and swap-in is cheaper than recompute
-  (``CachePolicy.can_swap``), else RELEASE (the engine frees what it needs, LRU).
+  deficit is covered, each by the policy's one eviction rule (``CachePolicy.evict``, rule 2
+  of ``decide``): SWAP when host room is worth the round trip, displacing (DISCARD, first)
+  swapped sessions whose host score is lower when the host is full, else RELEASE (the
+  engine frees what it needs, LRU). The swapped sessions are its host residents, with the
+  host blocks the host is charged for them.
   **Headroom**: after any PRESERVE, pins must leave ``headroom`` blocks free (default:
   the largest call seen so far), else the same eviction runs until they do (the new pin
   competes like the others; its eviction is a second decision of the same trigger, kind
@@ -118,7 +121,7 @@ from schemas.events import (
     SessionId,
     ToolCallProposed,
 )
-from services.cache.policy import CacheDecision, CachePolicy, Delays, MemoryState
+from services.cache.policy import CacheDecision, CachePolicy, Delays, HostResident, MemoryState
 from services.cache.view import CacheViewBuilder, Phase, SessionView
 
 __all__ = ["NAMESPACE", "CacheManager", "Decided", "Hold", "ManagerConfig", "decision_event_id"]
@@ -457,8 +460,18 @@ class CacheManager:
         out.append(decided)
 
     def _evict(self, trigger_id: str, now: float, out: list[Decided], *, reserve: int) -> None:
-        """Evict pinned sessions, lowest score first, until ``reserve`` blocks are free."""
+        """Evict pinned sessions, lowest score first, until ``reserve`` blocks are free, each by
+        the policy's one eviction rule (``CachePolicy.evict``): SWAP, displacing host residents
+        worth less when the host is full (their DISCARDs first), or RELEASE."""
         delays = self.delays()
+        residents: list[HostResident] | None = None
+
+        def host_residents() -> list[HostResident]:
+            nonlocal residents  # listed once per eviction run, and only if the host lacks room
+            if residents is None:
+                residents = self.policy.host_residents(self._host_resident_views(), now, delays)
+            return residents
+
         while self.gpu_used + reserve > self.config.gpu_total_blocks and self._candidates:
             _, sid, version = heapq.heappop(self._candidates)
             s = self._sessions.get(sid)
@@ -466,17 +479,37 @@ class CacheManager:
                 continue  # stale: the session's hold changed since it was pushed
             view = self.view(sid)
             host_free = max(0, self.config.host_total_blocks - self.host_used)
-            if self.policy.can_swap(view.gpu_blocks, host_free):
-                action, reason = CacheAction.SWAP, "memory pressure: swap-in is cheaper than recompute"
-            else:
-                action, reason = CacheAction.RELEASE, "memory pressure: no host room or recompute is cheaper"
-            distance = self.policy.next_reference_s(view, now, delays)
-            relook = self.policy.relook_s(view.gpu_blocks, distance) if action is CacheAction.SWAP else None
             score = self.policy.score(view, now, host_free, delays)
-            decision = CacheDecision(sid, action, score, distance, view.gpu_blocks, relook, reason)
-            self._record(
-                Decided(decision_event_id(trigger_id, "pressure", sid), trigger_id, "pressure", now, decision), s, out
+            for decision in self.policy.evict(view, score, now, host_free, delays, host_residents):
+                target = s if decision.session_id == sid else self._sessions[decision.session_id]
+                self._record(
+                    Decided(decision_event_id(trigger_id, "pressure", decision.session_id), trigger_id, "pressure",
+                            now, decision), target, out,
+                )  # fmt: skip
+
+    def _host_resident_views(self) -> list[SessionView]:
+        """Swapped sessions as host residents (no GPU blocks; their host blocks: what the host is
+        charged for them), as ``_relook`` sees them."""
+        views: list[SessionView] = []
+        for sid, s in self._sessions.items():
+            if s.hold is not Hold.SWAPPED or s.host_charged <= 0:
+                continue
+            v = self.view(sid)
+            views.append(
+                SessionView(
+                    sid,
+                    v.phase,
+                    v.since,
+                    v.tool,
+                    v.tool_started_at,
+                    v.context_tokens,
+                    0,
+                    s.host_charged,
+                    v.turns,
+                    v.attained_service_s,
+                )
             )
+        return views
 
     def _expire(self, until: float, out: list[Decided]) -> None:
         """Decide again for every pinned session whose TTL ends at or before ``until``, and for

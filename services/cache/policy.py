@@ -77,6 +77,10 @@ most once per call. This is Belady on the host tier, weighted by size and cost: 
 context that returns soon displaces one that returns late only when that saves
 recompute.
 
+Rule 2 is ``CachePolicy.evict``, the one eviction rule under pressure: ``decide`` applies
+it under a deficit, and ``CacheManager`` to each session its pressure evictions take (its
+host residents: the sessions it swapped out).
+
 **Prefetch** (host residents back to GPU before their call, so that the call does not
 pay the swap-in). The *lead* of ``h`` host blocks is ``lead_s(h) = swap_ms(h) / 1000 +
 prefetch_margin_s`` (the transfer itself plus a margin for the error of ``D``; default
@@ -118,7 +122,7 @@ whenever ``needed_blocks <= gpu_free_blocks``. It is O(1), for per-event manager
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from schemas.events import CacheAction, CacheDecisionMade, SessionId
@@ -126,7 +130,7 @@ from services.cache.latency import ToolLatencyModel
 from services.cache.view import Phase, SessionView
 from services.engine.cost import CostModel
 
-__all__ = ["CacheDecision", "CachePolicy", "Delays", "MemoryState", "PolicyConfig"]
+__all__ = ["CacheDecision", "CachePolicy", "Delays", "HostResident", "MemoryState", "PolicyConfig"]
 
 _MS_PER_S = 1000.0
 _BYTES_PER_GB = 1e9
@@ -204,7 +208,7 @@ class CacheDecision:
 
 
 @dataclass(slots=True)
-class _Resident:
+class HostResident:
     """A host resident considered for eviction from the host tier."""
 
     host_score: float
@@ -307,30 +311,17 @@ class CachePolicy:
         host_free = memory.host_free_blocks
         views = list(views)
         scored = sorted((self.score(v, now, host_free, delays), v.session_id, v) for v in views if _is_gpu_candidate(v))
-        residents = sorted(
-            (
-                _Resident(self.host_score(v, v.host_blocks, now, delays), v.session_id, v)
-                for v in views
-                if _is_host_resident(v)
-            ),
-            key=lambda r: (r.host_score, r.session_id),
-        )
+        residents = self.host_residents(views, now, delays)
         deficit = max(0, memory.needed_blocks - memory.gpu_free_blocks)
         decisions: list[CacheDecision] = []
         for score, sid, view in scored:
             freed = view.gpu_blocks if memory.reclaimable is None else memory.reclaimable.get(sid, 0)
             if view.phase is not Phase.FINISHED and deficit > 0:
-                distance = self.next_reference_s(view, now, delays)
-                loss = self.release_loss_ms(view)
-                room = self._host_room(view, now, host_free, delays, residents, loss)
-                if room is not None:
-                    decisions.extend(room)
-                    host_free += sum(d.num_blocks for d in room) - view.gpu_blocks
-                    action, reason = CacheAction.SWAP, "memory pressure: swapping costs less than the tail's recompute"
-                else:
-                    action, reason = CacheAction.RELEASE, "memory pressure: no host room or recompute is cheaper"
-                relook = self.relook_s(view.gpu_blocks, distance) if action is CacheAction.SWAP else None
-                decisions.append(CacheDecision(sid, action, score, distance, view.gpu_blocks, relook, reason))
+                made = self.evict(view, score, now, host_free, delays, residents)
+                decisions.extend(made)
+                host_free += sum(d.num_blocks for d in made[:-1])
+                if made[-1].action is CacheAction.SWAP:
+                    host_free -= view.gpu_blocks
                 deficit -= freed
                 continue
             made, host_free = self._no_deficit(view, score, now, memory, host_free, delays)
@@ -353,7 +344,7 @@ class CachePolicy:
         return max(0.0, distance - self.lead_s(num_blocks) + self.config.prefetch_margin_s / 2)
 
     def _prefetches(
-        self, residents: Iterable[_Resident], now: float, memory: MemoryState, delays: Delays
+        self, residents: Iterable[HostResident], now: float, memory: MemoryState, delays: Delays
     ) -> list[CacheDecision]:
         """The prefetch rule over the residents not displaced, soonest first (module docstring)."""
         if memory.queued_calls > 0:
@@ -429,6 +420,43 @@ class CachePolicy:
         relook = self.relook_s(blocks, distance)
         return [CacheDecision(sid, CacheAction.SWAP, score, distance, blocks, relook, beyond)], host_free - blocks
 
+    def evict(
+        self,
+        view: SessionView,
+        score: float,
+        now: float,
+        host_free: int,
+        delays: Delays,
+        residents: Sequence[HostResident] | Callable[[], Sequence[HostResident]],
+    ) -> list[CacheDecision]:
+        """Rule 2, the one eviction rule under memory pressure (``decide`` under a deficit and
+        ``CacheManager``'s pressure evictions): the view's SWAP when host room is worth its cost
+        (``_host_room``), preceded by the DISCARDs of the host residents it displaces, else its
+        RELEASE. ``residents``: the host residents in ascending (host score, session id) order
+        (``host_residents``), or a function that lists them, called only when the host lacks
+        room; a resident displaced is marked and not displaced again."""
+        distance = self.next_reference_s(view, now, delays)
+        room = self._host_room(view, now, host_free, delays, residents, self.release_loss_ms(view))
+        if room is None:
+            release = CacheDecision(
+                view.session_id, CacheAction.RELEASE, score, distance, view.gpu_blocks, None,
+                "memory pressure: no host room or recompute is cheaper",
+            )  # fmt: skip
+            return [release]
+        swap = CacheDecision(
+            view.session_id, CacheAction.SWAP, score, distance, view.gpu_blocks,
+            self.relook_s(view.gpu_blocks, distance), "memory pressure: swap-in is cheaper than recompute",
+        )  # fmt: skip
+        return [*room, swap]
+
+    def host_residents(self, views: Iterable[SessionView], now: float, delays: Delays) -> list[HostResident]:
+        """The host residents among ``views`` in ascending (host score, session id) order."""
+        return sorted(
+            (HostResident(self.host_score(v, v.host_blocks, now, delays), v.session_id, v) for v in views
+             if _is_host_resident(v)),
+            key=lambda r: (r.host_score, r.session_id),
+        )  # fmt: skip
+
     def release_loss_ms(self, view: SessionView) -> float:
         """Expected cost of releasing the view's GPU blocks to the LRU under pressure: its whole
         context recomputed on return (see the module docstring)."""
@@ -440,7 +468,7 @@ class CachePolicy:
         now: float,
         host_free: int,
         delays: Delays,
-        residents: Iterable[_Resident],
+        residents: Sequence[HostResident] | Callable[[], Sequence[HostResident]],
         loss_ms: float,
     ) -> list[CacheDecision] | None:
         """None when swapping the view out does not beat losing ``loss_ms``; else the host residents
@@ -452,9 +480,9 @@ class CachePolicy:
         if blocks <= host_free:
             return []
         mine = self.host_score(view, blocks, now, delays)
-        chosen: list[_Resident] = []
+        chosen: list[HostResident] = []
         room = host_free
-        for resident in residents:
+        for resident in residents() if callable(residents) else residents:
             if room >= blocks or resident.host_score >= mine:
                 break
             if resident.evicted:

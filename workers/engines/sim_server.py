@@ -52,7 +52,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import os
 import time
 import uuid
@@ -65,6 +64,7 @@ from typing import Any
 from aiohttp import web
 
 from schemas.events import CacheAction, SessionId
+from services.engine.control import CacheControl
 from services.engine.cost import CostModel
 from services.engine.kv_cache import KVCacheError, KVEvent, OutOfBlocks, PagedKVCache
 from services.engine.sim import SimEngine
@@ -113,7 +113,7 @@ class SimServer:
         self.kv_seq = 0
         self.num_controls = 0
         self.num_forced_releases = 0  # pins the pressure valve released for a call that did not fit
-        self.pin_scores: dict[str, float] = {}  # session -> the score of the PRESERVE that pinned it
+        self.control = CacheControl(engine.cache)  # carries /kv_control's decisions out; the pressure valve
         self._lock = asyncio.Lock()
         self._started = time.monotonic()
 
@@ -209,23 +209,13 @@ class SimServer:
         return web.json_response(response)
 
     def _release_lowest_pin(self, exclude: str) -> bool:
-        """The pressure valve: a call that does not fit takes the pin the cache manager ranked
-        lowest (its decision's score; then the earliest expiry, then the session id), as
-        vLLM's scheduler does with ours. A pinned cache must never turn into a failed call."""
-        cache = self.engine.cache
-        pinned = [(sid, cache.blocks_of(sid)) for sid in cache.session_ids() if sid != exclude]
-        ranked = sorted(
-            (self.pin_scores.get(sid, 0.0), blocks.pin_until if blocks.pin_until is not None else math.inf, sid)
-            for sid, blocks in pinned
-            if blocks.pinned
-        )
-        if not ranked:
+        """The pressure valve (``CacheControl.release_lowest_pin``): a pinned cache must never turn
+        into a failed call."""
+        released = self.control.release_lowest_pin(SessionId(exclude))
+        if released is None:
             return False
-        victim = ranked[0][2]
-        cache.release(victim)
-        self.pin_scores.pop(victim, None)
         self.num_forced_releases += 1
-        _log.info("released the pin of %s to make room (score %.3g)", victim, ranked[0][0])
+        _log.info("released the pin of %s to make room (score %.3g)", *released)
         return True
 
     def _swap_event(self, session_id: str, from_tier: str, to_tier: str, blocks: int, ms: float) -> dict[str, Any]:
@@ -289,23 +279,8 @@ class SimServer:
             now = self.now()
             cache.expire(now)
             try:
-                if action is CacheAction.PRESERVE:
-                    until = None if ttl_s is None else now + ttl_s / max(self.time_scale, 1e-9)
-                    blocks = cache.pin(session_id, until)
-                    self.pin_scores[session_id] = score
-                elif action is CacheAction.RELEASE:
-                    blocks = cache.release(session_id)
-                    self.pin_scores.pop(session_id, None)
-                elif action is CacheAction.DISCARD:
-                    self.pin_scores.pop(session_id, None)
-                    counts = cache.discard(session_id)
-                    blocks = counts.gpu + counts.host
-                elif action is CacheAction.SWAP:
-                    blocks = cache.swap_out(session_id)
-                else:  # PREFETCH: back to GPU, then held like a PRESERVE (the manager counts it pinned)
-                    blocks = cache.swap_in(session_id, now)
-                    cache.pin(session_id, None if ttl_s is None else now + ttl_s / max(self.time_scale, 1e-9))
-                    self.pin_scores[session_id] = score
+                ttl = None if ttl_s is None else ttl_s / max(self.time_scale, 1e-9)  # log time -> engine time
+                blocks = self.control.apply(session_id, action, now=now, ttl_s=ttl, score=score)
             except KVCacheError as e:
                 self._publish(cache.drain_events())
                 return web.json_response({"applied": False, "reason": f"{type(e).__name__}: {e}"}, status=409)

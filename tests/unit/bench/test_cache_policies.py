@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from bench.cache_policies import (
     POLICIES,
-    BatchSim,
-    Manager,
     Row,
-    Sess,
-    Sim,
     cap_context,
+    engine_s_per_session,
     floor_jct,
     make_manager,
     print_goals,
@@ -30,7 +28,9 @@ from bench.cache_policies import (
     write_png,
 )
 from schemas.events import SessionId
+from services.engine.batching import BatchSim
 from services.engine.cost import CostModel
+from services.engine.serial import Sess, Sim, SimManager
 from services.traces.model import SharedPrefix, Trace, TraceSession, TraceTurn
 from services.traces.synthetic import synthetic
 
@@ -82,7 +82,7 @@ def test_swap_out_and_swap_in_are_both_charged_to_the_engine() -> None:
     assert bare.computed_tokens > m.computed_tokens
 
 
-class _PinsFor(Manager):
+class _PinsFor(SimManager):
     """Pins a session at the start of each gap for its own TTL (None: until released)."""
 
     name = "pins-for"
@@ -207,3 +207,58 @@ def test_csv_round_trip_and_the_per_cell_goals_table(tmp_path) -> None:  # type:
     # 14 prefetches
     assert "| infercept | 0.5 | 50% | 2.00 | kvflow | 2.20 | 1.100x | 1.200x | 1.200 | 2 | 14 |" in text
     assert "| 0.5 | 50% | 10 | 0 | 1 | 2 | 3 |" in text  # preemptions per policy
+
+
+# ------------------------------------------------------------------ both engine models, every policy
+
+EPS = 1e-9
+
+
+def _session(sid: str, arrival: float, *turns: TraceTurn) -> TraceSession:
+    return TraceSession(sid, "test", arrival, turns)
+
+
+def test_a_call_alone_takes_the_serial_models_time() -> None:
+    cost = CostModel()
+    turns = (TraceTurn(200, 5, "search", 1.0, 40), TraceTurn(10, 5, "human", 30.0, 20), TraceTurn(10, 5))
+    trace = Trace(tuple(_session(f"s{i}", 100.0 * i, *turns) for i in range(4)))  # never overlapping
+    for policy in POLICIES:
+        serial = run_one(trace, policy, 40, cost, "serial")
+        batch = run_one(trace, policy, 40, cost, "batch")
+        assert batch.jct == pytest.approx(serial.jct, abs=EPS)
+        assert batch.computed_tokens == serial.computed_tokens
+        assert (batch.preemptions, batch.forced) == (0, 0)
+        assert batch.steps == 4 * 15
+
+
+def test_every_policy_finishes_on_the_batch_engine_under_pressure() -> None:
+    turns = (TraceTurn(200, 20, "search", 1.0, 40), TraceTurn(10, 30, "t", 2.0, 20), TraceTurn(10, 5))
+    trace = Trace(tuple(_session(f"s{i}", 0.05 * i, *turns) for i in range(12)))
+    computed: dict[str, int] = {}
+    for policy in POLICIES:
+        m = BatchSim(trace, make_manager(policy), gpu_blocks=60, host_blocks=60, cost=CostModel()).run()
+        assert len(m.jct) == 12 and all(j > 0 for j in m.jct)
+        assert m.prompt_tokens >= m.computed_tokens > 0
+        assert m.batch_s / m.busy_s > 1.0  # calls did run together
+        computed[policy] = m.computed_tokens
+    # vLLM keeps nothing across tool calls here (every prompt is recomputed); the pinning policies do.
+    assert computed["vllm"] == 12 * (200 + 270 + 330)
+    assert computed["oracle"] < computed["vllm"] and computed["ours"] < computed["vllm"]
+
+
+def test_load_is_a_fraction_of_the_full_batch_throughput() -> None:
+    cost = CostModel()
+    trace = Trace((_session("a", 0.0, TraceTurn(100, 50, "t", 1.0, 10), TraceTurn(10, 50)),))
+    serial = engine_s_per_session(trace, cost, "serial")
+    batch = engine_s_per_session(trace, cost, "batch")
+    assert serial == service_s(trace, cost)
+    # In full batches of 256 a decode step's 9.9 ms weight read is shared: 100 steps save 9.9 * 255 / 256 ms.
+    assert serial - batch == pytest.approx(100 * 9.9 * 255 / 256 / 1000)
+
+
+def test_traces_are_read_from_the_repositorys_traces_dir_or_the_one_given(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import bench.cache_policies as driver
+
+    assert Path(driver.__file__).resolve().parent.parent / "traces" == driver.TRACES_DIR
+    # A directory without the recorded traces leaves the synthetic workloads only.
+    assert [w.name for w in driver.workloads(True, 0, tmp_path)] == ["synthetic-lognormal", "synthetic-pareto"]

@@ -349,3 +349,25 @@ def test_a_swapped_session_stays_on_the_host_when_the_gpu_has_no_room_at_its_rel
     assert feed.manager.hold(SessionId("c")) is Hold.SWAPPED
     # Its call is within the lead now: no later re-look is asked for (it returns on its own call).
     assert feed.turn("f", relook_at + 5.0, 10) == [] and feed.manager.hold(SessionId("c")) is Hold.SWAPPED
+
+
+def test_under_pressure_a_victim_displaces_a_host_resident_worth_less_when_the_host_is_full() -> None:
+    # The policy's one eviction rule (CachePolicy.evict), as decide() applies it under a deficit:
+    # before, the manager released a victim whenever its blocks did not fit the host's free ones.
+    feed = Feed(gpu=100, host=10)
+    assert feed.turn("h", 0.0, 144) == []  # 10 blocks, then a human: a long way to its next call
+    (pin_h,) = feed.propose("h", 0.2, tool="human")
+    pin_s = feed.pinned("s", 1.0, 144)  # 10 blocks, then a search tool: back soon
+    assert pin_h.decision.score < pin_s.decision.score
+    assert feed.llm("d", 3.0, 1264) == []  # needs 80: 100 used, no eviction
+    decided = feed.llm("e", 3.5, 144)  # needs 10: 110 > 100, h goes first; the host has room
+    assert actions(decided) == [("h", CacheAction.SWAP, "pressure")]
+    assert feed.manager.host_used == 10
+    decided = feed.llm("f", 4.0, 144)  # needs 10: s goes, and the host is full
+    # h's blocks on the host are worth less per byte-second than s's would be (h returns much
+    # later), and discarding them loses less than releasing s: h is displaced, s swapped out.
+    assert actions(decided) == [("h", CacheAction.DISCARD, "pressure"), ("s", CacheAction.SWAP, "pressure")]
+    assert decided[0].event_id == decision_event_id(feed.last_id, "pressure", "h")
+    assert feed.manager.hold(SessionId("h")) is Hold.DISCARDED
+    assert feed.manager.hold(SessionId("s")) is Hold.SWAPPED
+    assert feed.manager.host_used == 10

@@ -1,4 +1,4 @@
-"""The continuous-batching engine model of the cache-policy bench (``BatchSim``) on exact small
+"""The continuous-batching engine model (``services.engine.batching.BatchSim``) on exact small
 scenarios, and the pieces it is built from: the batched step time (``CostModel.batch_steps_ms``)
 and step-by-step growth of a call (``PagedKVCache.extend_call``, ``blocks_to_begin``)."""
 
@@ -6,20 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from bench.cache_policies import (
-    POLICIES,
-    BatchSim,
-    Manager,
-    Sess,
-    engine_s_per_session,
-    make_manager,
-    run_one,
-    service_s,
-)
 from schemas.events import SessionId
+from services.engine.batching import BatchSim
 from services.engine.blocks import hash_blocks
 from services.engine.cost import CostModel
 from services.engine.kv_cache import OutOfBlocks, PagedKVCache
+from services.engine.serial import Metrics, Sess, Sim, SimManager
 from services.traces.model import Trace, TraceSession, TraceTurn
 
 # Round numbers: a step costs 9 ms once plus 1 ms per sequence, prefill 1 ms per token, no
@@ -35,6 +27,21 @@ COST = CostModel(
     hbm_bytes_per_s=1e15,
 )
 EPS = 1e-9
+
+
+class _NoManager(SimManager):
+    """No cache manager (the ``vllm`` baseline): blocks go back to the LRU at the end of every call."""
+
+    name = "none"
+
+    def on_finish(self, s: Sess, now: float) -> None:
+        pass
+
+
+def run_one(trace: Trace, gpu_blocks: int, cost: CostModel, engine: str) -> Metrics:
+    """The trace on the engine model without a cache manager; the host tier as large as the GPU's."""
+    model = BatchSim if engine == "batch" else Sim
+    return model(trace, _NoManager(), gpu_blocks, gpu_blocks, cost).run()
 
 
 def _session(sid: str, arrival: float, *turns: TraceTurn) -> TraceSession:
@@ -96,32 +103,19 @@ def test_extend_call_grows_one_block_per_block_size_tokens_and_fails_without_cha
 # ------------------------------------------------------------------ the batching engine
 
 
-def test_a_call_alone_takes_the_serial_models_time() -> None:
-    cost = CostModel()
-    turns = (TraceTurn(200, 5, "search", 1.0, 40), TraceTurn(10, 5, "human", 30.0, 20), TraceTurn(10, 5))
-    trace = Trace(tuple(_session(f"s{i}", 100.0 * i, *turns) for i in range(4)))  # never overlapping
-    for policy in POLICIES:
-        serial = run_one(trace, policy, 40, cost, "serial")
-        batch = run_one(trace, policy, 40, cost, "batch")
-        assert batch.jct == pytest.approx(serial.jct, abs=EPS)
-        assert batch.computed_tokens == serial.computed_tokens
-        assert (batch.preemptions, batch.forced) == (0, 0)
-        assert batch.steps == 4 * 15
-
-
 def test_two_calls_that_fit_run_together_in_the_batched_time() -> None:
     trace = Trace((_session("x", 0.0, TraceTurn(8, 3)), _session("y", 0.0, TraceTurn(8, 3))))
-    batch = run_one(trace, "vllm", 100, COST, "batch")
+    batch = run_one(trace, 100, COST, "batch")
     # One step with both prefills (8 + 8 ms) and two sequences (9 + 2), then two steps of 11 ms.
     assert batch.jct == pytest.approx([0.049, 0.049], abs=EPS)
     assert (batch.steps, batch.preemptions) == (3, 0)
     assert batch.batch_s / batch.busy_s == pytest.approx(2.0)
     # One at a time: 8 + 3 * 10 ms each, the second waits for the first.
-    serial = run_one(trace, "vllm", 100, COST, "serial")
+    serial = run_one(trace, 100, COST, "serial")
     assert serial.jct == pytest.approx([0.038, 0.076], abs=EPS)
 
 
-class _PinsAndRefuses(Manager):
+class _PinsAndRefuses(SimManager):
     """Pins every waiting session and never makes room: pinned blocks stay out of the batch."""
 
     name = "pins-and-refuses"
@@ -155,7 +149,7 @@ def test_a_call_waits_while_pinned_blocks_leave_no_room() -> None:
     assert (m.preemptions, m.forced) == (0, 0)
     # Without the pin, a's two blocks are free (cached, evictable) and b joins c's batch at 1.018:
     # 4 (b's prefill) + 9 + 2 ms, done at 1.033; c's remaining steps: 15, 10, 10, 10 ms.
-    free = run_one(_pinned_trace(), "vllm", 5, COST, "batch")
+    free = run_one(_pinned_trace(), 5, COST, "batch")
     assert sorted(free.jct)[:2] == pytest.approx(sorted([1.033 - 1.001, 1.063 - 1.0]), abs=EPS)
 
 
@@ -163,7 +157,7 @@ def test_growth_that_does_not_fit_preempts_the_newest_call_which_recomputes_late
     # Two calls of 4 prompt tokens and 9 output tokens (12 slots, 3 blocks each) on 4 blocks: each
     # is admitted (3 blocks fit when it arrives), but both cannot grow to 3 blocks.
     trace = Trace((_session("x", 0.0, TraceTurn(4, 9)), _session("y", 0.0, TraceTurn(4, 9))))
-    m = run_one(trace, "vllm", 4, COST, "batch")
+    m = run_one(trace, 4, COST, "batch")
     # Steps 0-4 together (8 ms of prefill + 11, then 4 x 11 ms: t = 0.063); at step 5 x needs its
     # third block: none is free, vllm makes no room, so y (the newest) is preempted after 5 tokens.
     # x runs its last 4 steps alone (40 ms, done at 0.103). y resumes with 4 + 5 tokens: its first
@@ -174,50 +168,3 @@ def test_growth_that_does_not_fit_preempts_the_newest_call_which_recomputes_late
     assert m.preempt_recomputed_tokens == 5
     assert m.computed_tokens == 4 + 4 + 5
     assert m.steps == 5 + 4 + 4
-
-
-def test_every_policy_finishes_on_the_batch_engine_under_pressure() -> None:
-    turns = (TraceTurn(200, 20, "search", 1.0, 40), TraceTurn(10, 30, "t", 2.0, 20), TraceTurn(10, 5))
-    trace = Trace(tuple(_session(f"s{i}", 0.05 * i, *turns) for i in range(12)))
-    computed: dict[str, int] = {}
-    for policy in POLICIES:
-        m = BatchSim(trace, make_manager(policy), gpu_blocks=60, host_blocks=60, cost=CostModel()).run()
-        assert len(m.jct) == 12 and all(j > 0 for j in m.jct)
-        assert m.prompt_tokens >= m.computed_tokens > 0
-        assert m.batch_s / m.busy_s > 1.0  # calls did run together
-        computed[policy] = m.computed_tokens
-    # vLLM keeps nothing across tool calls here (every prompt is recomputed); the pinning policies do.
-    assert computed["vllm"] == 12 * (200 + 270 + 330)
-    assert computed["oracle"] < computed["vllm"] and computed["ours"] < computed["vllm"]
-
-
-def test_load_is_a_fraction_of_the_full_batch_throughput() -> None:
-    cost = CostModel()
-    trace = Trace((_session("a", 0.0, TraceTurn(100, 50, "t", 1.0, 10), TraceTurn(10, 50)),))
-    serial = engine_s_per_session(trace, cost, "serial")
-    batch = engine_s_per_session(trace, cost, "batch")
-    assert serial == service_s(trace, cost)
-    # In full batches of 256 a decode step's 9.9 ms weight read is shared: 100 steps save 9.9 * 255 / 256 ms.
-    assert serial - batch == pytest.approx(100 * 9.9 * 255 / 256 / 1000)
-
-
-def test_ours_defers_an_offload_while_calls_run_on_the_batch_engine() -> None:
-    # a's one-block context enters a long human gap while b's call holds the other 10 of 11 GPU
-    # blocks: pressure 0.91, so a's next reference (at least 60 s) is beyond the horizon
-    # (300 s * 0.09) and swapping it out pays. A transfer now would stall b's steps, so ours keeps
-    # a pinned; once b has ended, memory is free and a is worth keeping: nothing is ever moved.
-    trace = Trace(
-        (
-            _session("a", 0.0, TraceTurn(16, 1, "human", 100.0, 0), TraceTurn(16, 1)),
-            _session("b", 0.0, TraceTurn(144, 17)),
-        )
-    )
-    sim = BatchSim(trace, make_manager("ours"), gpu_blocks=11, host_blocks=11, cost=CostModel())
-    m = sim.run()
-    assert (m.swapped_out_blocks, m.swapped_in_blocks, m.preemptions) == (0, 0, 0)
-    assert m.computed_tokens == 16 + 144 + 17  # a's return hits its pinned block (and its output)
-    # Told that no one waits for the engine (the serial engine's rule), ours swaps a out at once.
-    eager = BatchSim(trace, make_manager("ours"), gpu_blocks=11, host_blocks=11, cost=CostModel())
-    eager.delayed_by_transfer = lambda: 0  # type: ignore[method-assign]
-    m = eager.run()
-    assert m.swapped_out_blocks == m.swapped_in_blocks == 1

@@ -1,0 +1,79 @@
+"""Cache decisions carried out on a ``PagedKVCache``: one mapping from a decision to the cache's verbs.
+
+``CacheControl.apply`` is what an engine does with a ``CacheDecisionMade``; the sim
+server (``workers.engines.sim_server``, its ``/kv_control``) and the benchmark's engine
+models (``services.engine.serial``) both call it, so the benchmark measures what the
+engine does. Pure: ``now`` and the TTL come in already on the cache's clock.
+
+- ``PRESERVE``: pin the session's GPU blocks until ``now + ttl_s`` (no TTL: until released);
+- ``RELEASE``: unpin them (they stay cached, LRU-evictable);
+- ``DISCARD``: uncache them on both tiers (blocks other sessions also hold stay);
+- ``SWAP``: move them to the host tier (the pin goes with them);
+- ``PREFETCH``: bring the host blocks back to GPU, then pin like a ``PRESERVE``.
+
+The decision's score is kept for every pin: the **pressure valve**
+(``release_lowest_pin``) releases, for a call that does not fit, the pin the cache
+manager ranked lowest (its score; then the earliest expiry; then the session id), so a
+pin never makes a call fail.
+"""
+
+from __future__ import annotations
+
+import math
+
+from schemas.events import CacheAction, SessionId
+from services.engine.kv_cache import PagedKVCache
+
+__all__ = ["CacheControl"]
+
+
+class CacheControl:
+    """Carries cache decisions out on ``cache`` and keeps the score of every pin it made."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self.pin_scores: dict[SessionId, float] = {}  # session -> the score of the decision that pinned it
+
+    def apply(
+        self, session_id: SessionId, action: CacheAction, *, now: float, ttl_s: float | None, score: float
+    ) -> int:
+        """Carry out one decision; the blocks it pinned, freed, removed or moved. Raises the
+        cache's ``KVCacheError`` (no host or GPU room, the session is in a call) with the
+        cache unchanged by the failing verb."""
+        cache = self.cache
+        until = None if ttl_s is None else now + ttl_s
+        if action is CacheAction.PRESERVE:
+            blocks = cache.pin(session_id, until)
+            self.pin_scores[session_id] = score
+        elif action is CacheAction.RELEASE:
+            blocks = cache.release(session_id)
+            self.pin_scores.pop(session_id, None)
+        elif action is CacheAction.DISCARD:
+            self.pin_scores.pop(session_id, None)
+            counts = cache.discard(session_id)
+            blocks = counts.gpu + counts.host
+        elif action is CacheAction.SWAP:
+            blocks = cache.swap_out(session_id)
+        else:  # PREFETCH: back to GPU, then held like a PRESERVE (the manager counts it pinned)
+            blocks = cache.swap_in(session_id, now)
+            cache.pin(session_id, until)
+            self.pin_scores[session_id] = score
+        return blocks
+
+    def release_lowest_pin(self, exclude: SessionId) -> tuple[SessionId, float] | None:
+        """The pressure valve: release the pin ranked lowest (module docstring) of a session other
+        than ``exclude``; the session released and its pin's score, or None when no other session
+        is pinned."""
+        cache = self.cache
+        pinned = [(sid, cache.blocks_of(sid)) for sid in cache.session_ids() if sid != exclude]
+        ranked = sorted(
+            (self.pin_scores.get(sid, 0.0), blocks.pin_until if blocks.pin_until is not None else math.inf, sid)
+            for sid, blocks in pinned
+            if blocks.pinned
+        )
+        if not ranked:
+            return None
+        score, _, victim = ranked[0]
+        cache.release(victim)
+        self.pin_scores.pop(victim, None)
+        return victim, score

@@ -1,0 +1,83 @@
+"""``ours`` in the cache-policy bench: the shipped ``CacheManager`` fed the log's events by the
+engine models, its decisions carried out by the sim server's mapping (``CacheControl.apply``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.ours import Ours
+from schemas.events import CacheDecisionMade, SessionId
+from services.cache.manager import CacheManager
+from services.engine.batching import BatchSim
+from services.engine.cost import CostModel
+from services.engine.serial import Sim
+from services.traces.model import Trace, TraceSession, TraceTurn
+
+
+def _recorded(sim: Sim) -> list[tuple[str, str]]:
+    """(session, action) of every decision the engine model carries out, in order."""
+    carried: list[tuple[str, str]] = []
+    carry_out = sim.carry_out
+
+    def recording(decision: CacheDecisionMade, sid: SessionId, now: float) -> int:
+        carried.append((sid, decision.action.value))
+        return carry_out(decision, sid, now)
+
+    sim.carry_out = recording  # type: ignore[method-assign]
+    return carried
+
+
+@pytest.mark.parametrize("engine", [Sim, BatchSim])
+def test_a_call_that_does_not_fit_with_a_pin_makes_the_manager_swap_it_out(engine: type[Sim]) -> None:
+    # a: one 16-token call, then a 30 s tool; its gap decision pins its 2 blocks (the manager counts
+    # prompt + output: 17 tokens). b arrives at 0.5 s: its LLMCallStarted charges ceil(185 / 16) =
+    # 12 blocks, 14 of 12 are used, so the manager evicts a: the host has room and swapping pays.
+    # b's end discards b; a's call swaps its block back in; a's end discards a.
+    trace = Trace(
+        (
+            TraceSession("a", "test", 0.0, (TraceTurn(16, 1, "t", 30.0, 0), TraceTurn(16, 1))),
+            TraceSession("b", "test", 0.5, (TraceTurn(168, 17),)),
+        )
+    )
+    ours = Ours()
+    sim = engine(trace, ours, gpu_blocks=12, host_blocks=12, cost=CostModel())
+    carried = _recorded(sim)
+    m = sim.run()
+    assert carried == [("a", "PRESERVE"), ("a", "SWAP"), ("b", "DISCARD"), ("a", "DISCARD")]
+    assert (m.swapped_out_blocks, m.swapped_in_blocks, m.prefetches, m.refused, m.forced) == (1, 1, 0, 0, 0)
+    assert m.computed_tokens == 16 + 168 + 17  # a's return hits its swapped-in block
+    assert isinstance(ours.manager, CacheManager)
+    assert ours.num_decisions == 4 and ours.num_events > 2 * 5  # the planner's, the executor's and the KV events
+    # Both finished sessions hold nothing any more: the manager forgot them.
+    assert ours.manager.num_sessions == 0
+    assert ours.manager.forgotten(SessionId("a")) and ours.manager.forgotten(SessionId("b"))
+
+
+def test_the_manager_knows_no_engine_queue_so_ours_offloads_while_calls_run() -> None:
+    # a's one-block context enters a long human gap while b's call holds the other 10 of 11 GPU
+    # blocks: a's next reference (at least 60 s) is beyond the horizon and swapping it out pays.
+    # The log has no queue length (the manager decides with queued_calls = 0), so a is swapped out
+    # at once although the transfer stalls b's steps (the policy alone, told that calls wait,
+    # defers it: tests/unit/services/cache/test_cache_policy.py).
+    trace = Trace(
+        (
+            TraceSession("a", "test", 0.0, (TraceTurn(16, 1, "human", 100.0, 0), TraceTurn(16, 1))),
+            TraceSession("b", "test", 0.0, (TraceTurn(144, 17),)),
+        )
+    )
+    sim = BatchSim(trace, Ours(), gpu_blocks=11, host_blocks=11, cost=CostModel())
+    carried = _recorded(sim)
+    m = sim.run()
+    assert carried == [("a", "SWAP"), ("b", "DISCARD"), ("a", "DISCARD")]
+    assert (m.swapped_out_blocks, m.swapped_in_blocks, m.preemptions) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("engine", [Sim, BatchSim])
+def test_a_call_that_does_not_fit_takes_the_lowest_scored_pin(engine: type[Sim]) -> None:
+    # No host tier: pins are evicted by RELEASE or by the engine's pressure valve; every session
+    # still finishes and nothing is ever forced (all pins released at once).
+    turns = (TraceTurn(200, 20, "search", 1.0, 40), TraceTurn(10, 30, "t", 2.0, 20), TraceTurn(10, 5))
+    trace = Trace(tuple(TraceSession(f"s{i}", "test", 0.05 * i, turns) for i in range(12)))
+    m = engine(trace, Ours(), gpu_blocks=60, host_blocks=0, cost=CostModel()).run()
+    assert len(m.jct) == 12
+    assert (m.swapped_out_blocks, m.refused, m.forced) == (0, 0, 0)
