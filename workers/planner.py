@@ -67,12 +67,14 @@ from services.planning import (
     WaitFor,
     next_move,
 )
-from services.programs import PROGRAMS, Program
+from services.programs import Program
+from services.registry import Registry
 from services.session import SessionState
-from services.tools import TOOLS, idempotency_key
+from services.tools import idempotency_key
 from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable
 from workers.engines.factory import ENGINE_KINDS, create_engine
+from workers.plugins import builtin_registry
 from workers.replay import cut_events, session_at, take_checkpoint
 from workers.runtime import SessionWorker, log_namespace, snapshot_url
 
@@ -95,6 +97,7 @@ class PlannerWorker(SessionWorker):
         *,
         engine: Engine,
         programs: dict[str, Program] | None = None,
+        registry: Registry | None = None,
         engine_patience_s: float = 120.0,
         checkpoint_every: int = 0,
         snapshots: SnapshotStore | None = None,
@@ -102,7 +105,9 @@ class PlannerWorker(SessionWorker):
     ) -> None:
         super().__init__(log, **kwargs)
         self.engine = engine
-        self.programs = programs if programs is not None else PROGRAMS
+        self.registry = registry or builtin_registry()
+        self.programs = programs if programs is not None else self.registry.programs
+        self.tools = self.registry.tool_specs
         self.engine_patience_s = engine_patience_s
         self.checkpoint_every = checkpoint_every
         self.snapshots = snapshots
@@ -150,6 +155,7 @@ class PlannerWorker(SessionWorker):
             engine=engine,
             checkpoint_every=args.checkpoint_every,
             snapshots=snapshots,
+            registry=args.registry,
         )
 
     async def close(self) -> None:
@@ -199,7 +205,7 @@ class PlannerWorker(SessionWorker):
         """Carry out one move; True when there may be another one right away."""
         await self._fork_requests(state)
         program = self.programs.get(state.program)
-        move = next_move(state, program, checkpoint_every=self.checkpoint_every)
+        move = next_move(state, program, checkpoint_every=self.checkpoint_every, tools=self.tools)
         sid = state.session_id
         match move:
             case Idle() | WaitFor():
@@ -210,7 +216,7 @@ class PlannerWorker(SessionWorker):
                 await self._checkpoint(state, move)
             case ProposeCompensations():
                 for comp in move.compensations:
-                    spec = TOOLS.get(comp.tool)
+                    spec = self.tools.get(comp.tool)
                     await self.append(
                         sid,
                         ev.ToolCallProposed(
