@@ -13,11 +13,11 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.common import Json, LogUrl, ensure_topics
+from cli.common import Json, LogUrl, Plugins, ensure_topics, load_plugins
 from cli.sessions import SessionBook, read_sessions, replay_check, summarize
 from log import open_log
 from schemas import events as ev
-from services.programs import PROGRAMS
+from services.programs import PROGRAMS, Program
 from services.session import SessionState
 
 
@@ -44,6 +44,7 @@ def up(
     ] = False,
     gpu_blocks: Annotated[int, typer.Option(help="The sim engine's KV cache, in blocks of 16 tokens")] = 8192,
     host_blocks: Annotated[int, typer.Option(help="Its host tier (swap target), in blocks")] = 0,
+    plugins: Plugins = None,
 ) -> None:
     """Start the engine and every worker as local processes; Ctrl-C stops them gracefully.
 
@@ -61,6 +62,7 @@ def up(
             "(python -m log.local_kafka start --secure prints it), or pass --insecure for a plaintext broker"
         )
 
+    load_plugins(plugins)  # a bad plugin stops here, before any process starts
     directory = work_dir or data_dir() / "stack"
     memory = ["--gpu-blocks", str(gpu_blocks), "--host-blocks", str(host_blocks)]
     stack = Stack(
@@ -71,6 +73,7 @@ def up(
         cache_manager=cache_manager,
         engine_args=memory,
         cache_manager_args=memory if cache_manager else [],
+        extra_env={"AGENTLOG_PLUGINS": plugins or ""},  # every process loads the same plugins
     )
     ensure_topics(log_url)
     stack.start()
@@ -107,9 +110,12 @@ def run(
     wait: Annotated[bool, typer.Option(help="Wait for the sessions and show progress")] = True,
     timeout_s: Annotated[float, typer.Option("--timeout", help="Give up waiting after this many seconds")] = 600,
     as_json: Json = False,
+    plugins: Plugins = None,
 ) -> None:
     """Start N sessions of a program or of a trace file's sessions (asks the planner via ops.commands)."""
-    requests = session_requests(program, sessions, json.loads(args), prefix or f"run-{uuid.uuid4().hex[:6]}")
+    programs = load_plugins(plugins).programs
+    run_id = prefix or f"run-{uuid.uuid4().hex[:6]}"
+    requests = session_requests(program, sessions, json.loads(args), run_id, programs)
     book = asyncio.run(_run(log_url, requests, wait, timeout_s, quiet=as_json))
     if as_json:
         summary = summarize(book.records[s] for s, _, _ in requests if s in book.records)
@@ -117,7 +123,7 @@ def run(
 
 
 def session_requests(
-    program: str, count: int, args: dict[str, Any], prefix: str
+    program: str, count: int, args: dict[str, Any], prefix: str, programs: dict[str, Program] | None = None
 ) -> list[tuple[str, str, dict[str, Any]]]:
     """(session id, program, args) for each session to start."""
     if program.endswith(".jsonl"):
@@ -127,8 +133,9 @@ def session_requests(
         trace = Trace.from_json_lines(lines)
         chosen = trace.sessions[:count]
         return [(f"{prefix}-{s.session_id}", "trace", {"session": s.to_dict()}) for s in chosen]
-    if program not in PROGRAMS:
-        raise typer.BadParameter(f"unknown program {program!r}; programs are {', '.join(PROGRAMS)} or a .jsonl trace")
+    known = PROGRAMS if programs is None else programs
+    if program not in known:
+        raise typer.BadParameter(f"unknown program {program!r}; programs are {', '.join(known)} or a .jsonl trace")
     return [(f"{prefix}-{i:04d}", program, args) for i in range(count)]
 
 
@@ -254,7 +261,7 @@ def replay(
     if not events:
         typer.echo(f"no events for session {session_id}", err=True)
         raise typer.Exit(1)
-    problems = replay_check(state) if check else []
+    problems = replay_check(state, load_plugins(None).programs) if check else []
     if as_json:
         typer.echo(json.dumps({"events": [event_to_json(e) for e in events], "problems": problems}))
     else:
