@@ -14,14 +14,14 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.common import Json, LogUrl, ensure_topics, require_session
+from cli.common import Json, LogUrl, Plugins, ensure_topics, load_plugins, require_session
 from cli.errors import BAD_INPUT, TIMED_OUT, CliError, fail
 from cli.render import to_json
 from cli.sessions import SessionBook, read_sessions, replay_check, summarize
 from log import open_log
 from log.topics import AGENT_ACTIONS
 from schemas import events as ev
-from services.programs import PROGRAMS
+from services.programs import PROGRAMS, Program
 from services.session import SessionState
 
 
@@ -48,6 +48,7 @@ def up(
     ] = False,
     gpu_blocks: Annotated[int, typer.Option(help="The sim engine's KV cache, in blocks of 16 tokens")] = 8192,
     host_blocks: Annotated[int, typer.Option(help="Its host tier (swap target), in blocks")] = 0,
+    plugins: Plugins = None,
 ) -> None:
     """Start the engine and every worker as local processes, and keep them running; Ctrl-C (or
     SIGTERM) stops them gracefully.
@@ -70,6 +71,7 @@ def up(
             "(python -m log.local_kafka start --secure prints it), or pass --insecure for a plaintext broker"
         )
 
+    load_plugins(plugins)  # a bad plugin stops here, before any process starts
     directory = work_dir or data_dir() / "stack"
     memory = ["--gpu-blocks", str(gpu_blocks), "--host-blocks", str(host_blocks)]
     stack = Stack(
@@ -80,6 +82,7 @@ def up(
         cache_manager=cache_manager,
         engine_args=memory,
         cache_manager_args=memory if cache_manager else [],
+        extra_env={"AGENTLOG_PLUGINS": plugins or ""},  # every process loads the same plugins
     )
     ensure_topics(log_url)
     stack.start()
@@ -111,12 +114,16 @@ def run(
     wait: Annotated[bool, typer.Option(help="Wait for the sessions and show progress")] = True,
     timeout_s: Annotated[float, typer.Option("--timeout", help="Give up waiting after this many seconds")] = 600,
     as_json: Json = False,
+    plugins: Plugins = None,
 ) -> None:
     """Start N sessions of a program or of a trace file's sessions (asks the planner via ops.commands).
 
     Exits 2 when ``--timeout`` passes before every session finished (the summary is printed first).
     """
-    requests = session_requests(program, sessions, program_args(args), prefix or f"run-{uuid.uuid4().hex[:6]}")
+    programs = load_plugins(plugins).programs
+    requests = session_requests(
+        program, sessions, program_args(args), prefix or f"run-{uuid.uuid4().hex[:6]}", programs
+    )
     book = asyncio.run(_run(log_url, requests, wait, timeout_s, quiet=as_json))
     if as_json:
         summary = summarize(book.records[s] for s, _, _ in requests if s in book.records)
@@ -145,7 +152,7 @@ _ARGS_HINT = """give a JSON object, e.g. --args '{"steps": []}'"""
 
 
 def session_requests(
-    program: str, count: int, args: dict[str, Any], prefix: str
+    program: str, count: int, args: dict[str, Any], prefix: str, programs: dict[str, Program] | None = None
 ) -> list[tuple[str, str, dict[str, Any]]]:
     """(session id, program, args) for each session to start."""
     if program.endswith(".jsonl"):
@@ -159,8 +166,9 @@ def session_requests(
             raise CliError(f"{program} is not a trace (docs/trace-format.md): {e}", BAD_INPUT) from e
         chosen = trace.sessions[:count]
         return [(f"{prefix}-{s.session_id}", "trace", {"session": s.to_dict()}) for s in chosen]
-    if program not in PROGRAMS:
-        raise typer.BadParameter(f"unknown program {program!r}; programs are {', '.join(PROGRAMS)} or a .jsonl trace")
+    known = PROGRAMS if programs is None else programs
+    if program not in known:
+        raise typer.BadParameter(f"unknown program {program!r}; programs are {', '.join(known)} or a .jsonl trace")
     return [(f"{prefix}-{i:04d}", program, args) for i in range(count)]
 
 
@@ -286,7 +294,7 @@ def replay(
     if not events:
         typer.echo(f"no events for session {session_id}", err=True)
         raise typer.Exit(1)
-    problems = replay_check(state) if check else []
+    problems = replay_check(state, load_plugins(None).programs) if check else []
     if as_json:
         typer.echo(to_json({"events": [event_to_json(e) for e in events], "problems": problems}))
     else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -21,6 +21,28 @@ LogUrl = Annotated[
     ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="JSON for scripts instead of a table")]
+Plugins = Annotated[
+    str | None,
+    typer.Option(
+        "--plugins",
+        envvar="AGENTLOG_PLUGINS",
+        help="Comma-separated modules with your programs, tools and voters (docs/sdk.md)",
+    ),
+]
+
+if TYPE_CHECKING:
+    from services.registry import Registry
+
+
+def load_plugins(plugins: str | None) -> Registry:
+    """The built-ins and the plugins, or exit with the plugin's one-line error (status 2)."""
+    from workers.plugins import PluginError, load_registry
+
+    try:
+        return load_registry(plugins)
+    except PluginError as e:
+        typer.echo(f"logctl: error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 async def require_session(log: SharedLog, session_id: str) -> tuple[SessionState, list[LoggedEvent]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -15,7 +15,8 @@ from log import LoggedEvent, SharedLog
 from log.topics import SESSION_TOPICS
 from schemas import events as ev
 from services.planning import prompt_digest, recorded_results
-from services.programs import PROGRAMS, CallLLM, CallTool, Finish, Fork, ProgramView, TakeCheckpoint
+from services.programs import PROGRAMS, CallLLM, CallTool, Finish, Fork, Program, ProgramView, TakeCheckpoint
+from services.programs.base import NonDeterminism
 from services.session import LLMCall, PlannerStep, SessionState, SessionStatus
 
 
@@ -123,15 +124,20 @@ def summarize(records: Iterable[SessionRecord]) -> Summary:
     )
 
 
-def replay_check(state: SessionState) -> list[str]:
+def replay_check(state: SessionState, programs: Mapping[str, Program] = PROGRAMS) -> list[str]:
     """Re-run the session's program against its recorded results; every disagreement, in words."""
-    program = PROGRAMS.get(state.program)
+    program = programs.get(state.program)
     if program is None:
         return [f"unknown program {state.program!r}: cannot re-run it"]
     problems: list[str] = []
     results, _pending = recorded_results(state)
     for step, recorded in enumerate(state.steps):
-        action = program.next_action(ProgramView(state.session_id, state.args, tuple(results[:step]), state.context_id))
+        try:
+            action = program.next_action(
+                ProgramView(state.session_id, state.args, tuple(results[:step]), state.context_id)
+            )
+        except NonDeterminism as e:  # an SDK program checks its replayed steps itself
+            return [*problems, str(e)]
         if isinstance(recorded, PlannerStep):
             wanted = TakeCheckpoint if recorded.kind == "checkpoint" else Fork
             if not isinstance(action, wanted):

@@ -19,6 +19,7 @@ memory. The state these events evolve is ``SessionState.apply``.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from schemas import events as ev
@@ -36,7 +37,7 @@ from services.planning import (
     StartSession,
 )
 from services.session import SessionState
-from services.tools import TOOLS, idempotency_key
+from services.tools import TOOLS, ToolSpec, idempotency_key
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,12 @@ PureMove = StartSession | CallEngine | ProposeTool | ProposeCompensations | Refu
 """The moves whose events follow from the move and the state alone."""
 
 
-def decide(state: SessionState, move: PureMove, *, engine_id: EngineId) -> list[Append]:
+def decide(
+    state: SessionState, move: PureMove, *, engine_id: EngineId, tools: Mapping[str, ToolSpec] | None = None
+) -> list[Append]:
     """The events that carry out ``move`` for ``state``'s session (for ``CallEngine``: the
-    ``LLMCallStarted`` before the engine is asked, none when it is in the log already)."""
+    ``LLMCallStarted`` before the engine is asked, none when it is in the log already).
+    ``tools``: the registered tools (default: the built-ins), for a compensation's effect class."""
     sid = state.session_id
     match move:
         case StartSession():
@@ -87,7 +91,7 @@ def decide(state: SessionState, move: PureMove, *, engine_id: EngineId) -> list[
         case ProposeCompensations():
             out = []
             for comp in move.compensations:
-                spec = TOOLS.get(comp.tool)
+                spec = (TOOLS if tools is None else tools).get(comp.tool)
                 body = ev.ToolCallProposed(
                     call_id=comp.call_id,
                     tool=comp.tool,

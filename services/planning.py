@@ -25,8 +25,8 @@ takes a checkpoint at the first step boundary after that many events.
 
 from __future__ import annotations
 
-import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ from services.programs.base import (
     Finish,
     Fork,
     LLMResult,
+    NonDeterminism,
     Program,
     ProgramView,
     Prompt,
@@ -62,7 +63,7 @@ from services.session import (
     step_of,
     tool_call_id,
 )
-from services.tools import TOOLS, idempotency_key
+from services.tools import TOOLS, ToolSpec, idempotency_key
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ def request_id(session_id: str, call_id: CallId) -> str:
 
 
 def prompt_digest(prompt: Prompt) -> str:
-    return hashlib.sha256(json.dumps(prompt.to_json(), sort_keys=True).encode()).hexdigest()
+    return prompt.digest()
 
 
 def recorded_results(state: SessionState) -> tuple[list[Result], Step | None]:
@@ -221,6 +222,7 @@ def recorded_results(state: SessionState) -> tuple[list[Result], Step | None]:
                     step.completed.output_text,
                     step.completed.prompt_tokens,
                     step.completed.output_tokens,
+                    step.started.prompt_digest,
                 )
             )
         elif isinstance(step, PlannerStep):
@@ -243,19 +245,26 @@ PLANNER_RESULT_TOKENS = 16
 
 def _tool_result(step: ToolCall) -> ToolResult:
     tool = step.proposed.tool
+    arguments = step.arguments
     if step.status is ToolStatus.COMPLETED and step.completed is not None:
-        return ToolResult(
-            step.call_id, tool, True, json.loads(step.completed.result_json), step.completed.result_tokens
-        )
+        result = json.loads(step.completed.result_json)
+        return ToolResult(step.call_id, tool, True, result, step.completed.result_tokens, None, arguments)
     if step.status is ToolStatus.ABORTED:
         reason = getattr(step.verdict, "reason", "aborted")
-        return ToolResult(step.call_id, tool, False, None, 0, f"aborted by the decider: {reason}")
+        return ToolResult(step.call_id, tool, False, None, 0, f"aborted by the decider: {reason}", arguments)
     error = step.failure.error if step.failure else "failed"
-    return ToolResult(step.call_id, tool, False, None, 0, error)
+    return ToolResult(step.call_id, tool, False, None, 0, error, arguments)
 
 
-def next_move(state: SessionState, program: Program | None, *, checkpoint_every: int = 0) -> Move:
-    """The planner's next move for one session (see the module docstring)."""
+def next_move(
+    state: SessionState,
+    program: Program | None,
+    *,
+    checkpoint_every: int = 0,
+    tools: Mapping[str, ToolSpec] = TOOLS,
+) -> Move:
+    """The planner's next move for one session (see the module docstring); ``tools``: the specs of every
+    tool the stack knows (built-ins and plugins), for the effect class of a proposal."""
     if state.status is None:
         return Idle("no such session")
     if state.status is SessionStatus.REQUESTED:
@@ -286,6 +295,8 @@ def next_move(state: SessionState, program: Program | None, *, checkpoint_every:
     view = ProgramView(state.session_id, state.args, tuple(results), state.context_id, merged)
     try:
         action: Any = program.next_action(view)
+    except NonDeterminism as e:
+        return FailSession(str(e), "NonDeterminism")
     except Exception as e:  # a program bug must fail its session, not the planner
         return FailSession(f"program {program.name} raised {type(e).__name__}: {e}", "ProgramError")
     step = len(results)
@@ -306,7 +317,7 @@ def next_move(state: SessionState, program: Program | None, *, checkpoint_every:
             )
         case CallTool():
             call_id = tool_call_id(step, generation)
-            spec = TOOLS.get(action.tool)
+            spec = tools.get(action.tool)
             return ProposeTool(
                 call_id,
                 action.tool,

@@ -15,10 +15,10 @@ the log), never read from a clock.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 import jsonschema
 
@@ -36,10 +36,39 @@ class Proposal:
     proposed_at: datetime
     recent_proposals: Sequence[datetime] = ()
     """When the session's earlier proposals were made (for rate limits)."""
+    tools: Mapping[str, ToolSpec] = field(default_factory=lambda: TOOLS)
+    """Every tool the stack knows (built-ins and plugins)."""
 
     @property
     def spec(self) -> ToolSpec | None:
-        return TOOLS.get(self.proposed.tool)
+        return self.tools.get(self.proposed.tool)
+
+    @property
+    def tool(self) -> str:
+        return self.proposed.tool
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """The proposed arguments (an empty dict when they are not a JSON object)."""
+        try:
+            arguments = json.loads(self.proposed.arguments_json)
+        except json.JSONDecodeError:
+            return {}
+        return arguments if isinstance(arguments, dict) else {}
+
+    @property
+    def goal(self) -> str:
+        """What the session is for, in words: its ``goal`` or ``task`` argument, else all its arguments."""
+        args = self.session.args
+        for key in ("goal", "task"):
+            if isinstance(args.get(key), str):
+                return str(args[key])
+        return json.dumps(args, sort_keys=True)
+
+    @property
+    def history(self) -> list[Any]:
+        """The session's steps before this one, in order (``LLMCall`` / ``ToolCall`` / ``PlannerStep``)."""
+        return [s for s in self.session.steps if s.call_id != self.proposed.call_id]
 
 
 class Voter(Protocol):
@@ -136,6 +165,156 @@ class HumanApproval:
 
 
 @dataclass(frozen=True)
+class Ballot:
+    """What a user's voter function returns: a decision and the reason for it (see ``approve`` etc.)."""
+
+    decision: VoteDecision
+    reason: str
+
+
+def approve(reason: str = "approved") -> Ballot:
+    return Ballot(VoteDecision.APPROVE, reason)
+
+
+def reject(reason: str) -> Ballot:
+    return Ballot(VoteDecision.REJECT, reason)
+
+
+def hold(reason: str) -> Ballot:
+    """Not yet: no verdict until something changes (an operator's ``logctl approve``, for example)."""
+    return Ballot(VoteDecision.HOLD, reason)
+
+
+def abstain(reason: str = "no opinion") -> Ballot:
+    return Ballot(VoteDecision.ABSTAIN, reason)
+
+
+VoterFunction = Callable[[Proposal], Ballot]
+
+
+@dataclass(frozen=True)
+class FunctionVoter:
+    """A voter written as a function of the proposal (``services.sdk.voter``).
+
+    A function that raises or returns something other than a ``Ballot`` rejects the call
+    (fail closed), with the error as the reason: a voter bug must not let a call through.
+    """
+
+    name: str
+    function: VoterFunction
+    description: str = ""
+
+    def vote(self, proposal: Proposal) -> Vote:
+        try:
+            ballot = self.function(proposal)
+        except Exception as e:
+            return _vote(self.name, VoteDecision.REJECT, f"the voter raised {type(e).__name__}: {e}")
+        if not isinstance(ballot, Ballot):
+            return _vote(self.name, VoteDecision.REJECT, f"the voter returned {ballot!r}, not approve/reject/hold")
+        return _vote(self.name, ballot.decision, ballot.reason)
+
+
+@dataclass(frozen=True)
+class JudgeQuestion:
+    """What the LLM judge asks an engine about one proposal."""
+
+    goal: str
+    tool: str
+    arguments_json: str
+    prompt: str
+    session_id: str = ""
+    call_id: str = ""
+
+
+JudgeAsk = Callable[[JudgeQuestion], str]
+"""Asks an engine (injected: the decider wires it to its engine) and returns the model's text."""
+
+JUDGE_INSTRUCTIONS = (
+    "You review the tool calls of an AI agent. Answer with one line: APPROVE or REJECT, a colon, "
+    "and a short reason. Approve a call only when it is consistent with the session's goal."
+)
+
+
+@dataclass(frozen=True)
+class LLMJudge:
+    """Asks a model whether a proposed call is consistent with the session's goal (LogAct's judge).
+
+    The answer's first word decides: ``APPROVE`` or ``REJECT`` (the rest is the reason). An answer that
+    is neither, or an engine that cannot be asked, HOLDs the call for an operator; a call an operator
+    approved or denied is left to them (ABSTAIN). The engine call is ``ask``, injected, so the
+    judgement is a pure function of the proposal and the answer.
+    """
+
+    ask: JudgeAsk
+    name: str = "llm_judge"
+    max_history: int = 8
+    blocking: bool = True
+    """``ask`` waits on an engine: the decider calls this voter off its event loop."""
+
+    def question(self, proposal: Proposal) -> JudgeQuestion:
+        steps = [
+            f"- {s.proposed.tool}({s.proposed.arguments_json}) -> {s.status.value}"
+            for s in proposal.history
+            if hasattr(s, "proposed")
+        ][-self.max_history :]
+        prompt = "\n".join(
+            [
+                JUDGE_INSTRUCTIONS,
+                f"Goal: {proposal.goal}",
+                "Earlier tool calls:" if steps else "Earlier tool calls: none",
+                *steps,
+                f"Proposed call: {proposal.tool}({proposal.proposed.arguments_json})",
+                "Answer:",
+            ]
+        )
+        return JudgeQuestion(
+            proposal.goal,
+            proposal.tool,
+            proposal.proposed.arguments_json,
+            prompt,
+            proposal.session.session_id,
+            proposal.proposed.call_id,
+        )
+
+    def vote(self, proposal: Proposal) -> Vote:
+        tool = proposal.session.tool_calls.get(proposal.proposed.call_id)
+        if tool is not None and tool.approvals:
+            return _vote(self.name, VoteDecision.ABSTAIN, "an operator decided this call")
+        try:
+            answer = self.ask(self.question(proposal))
+        except Exception as e:
+            return _vote(self.name, VoteDecision.HOLD, f"the judge could not be asked ({type(e).__name__}: {e})")
+        return judgement(self.name, answer)
+
+
+def judgement(voter: str, answer: str) -> Vote:
+    """The vote an answer of the judge's model means (see ``LLMJudge``)."""
+    text = answer.strip()
+    head, _, rest = text.partition(":")
+    word = head.strip().split()[0].upper() if head.strip() else ""
+    reason = (rest.strip() or text)[:300]
+    if word == "APPROVE":
+        return _vote(voter, VoteDecision.APPROVE, f"the judge approves: {reason}")
+    if word == "REJECT":
+        return _vote(voter, VoteDecision.REJECT, f"the judge rejects: {reason}")
+    return _vote(voter, VoteDecision.HOLD, f"the judge's answer is neither APPROVE nor REJECT: {text[:200]!r}")
+
+
+def simulated_judge(question: JudgeQuestion) -> str:
+    """The judge's answer on the simulated engine, which has no model: deterministic and documented.
+
+    APPROVE when every word of the tool's name (split at ``_``) occurs in the goal, REJECT otherwise:
+    a goal that says "search flights and book the cheapest" allows ``search_flights`` and ``book``,
+    not ``delete_account``.
+    """
+    goal = question.goal.lower()
+    missing = [w for w in question.tool.lower().split("_") if w and w not in goal]
+    if missing:
+        return f"REJECT: {question.tool} is not part of the goal ({', '.join(missing)} not mentioned)"
+    return f"APPROVE: {question.tool} is part of the goal"
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The outcome of the policy: commit, abort, or no verdict yet (hold)."""
 
@@ -151,6 +330,11 @@ class Decider:
 
     voters: Sequence[Voter] = field(default_factory=list)
     policy: str = "unanimous"
+
+    @property
+    def blocking(self) -> bool:
+        """Some voter waits on something outside (an engine): call ``decide`` off the event loop."""
+        return any(getattr(v, "blocking", False) for v in self.voters)
 
     def decide(self, proposal: Proposal) -> Verdict:
         votes = tuple(voter.vote(proposal) for voter in self.voters)
@@ -168,6 +352,43 @@ DEFAULT_ALLOWED: dict[str, frozenset[str]] = {
     "trace": frozenset({"trace_tool"}),
     "*": frozenset(TOOLS),
 }
+
+
+def default_allowed(tools: Mapping[str, ToolSpec]) -> dict[str, frozenset[str]]:
+    """The allow list of a stack with these tools: ``trace`` uses only ``trace_tool``, others any tool."""
+    return {"trace": frozenset({"trace_tool"}), "*": frozenset(tools)}
+
+
+DEFAULT_VOTERS = ("allow_list", "arg_schema", "rate_limit", "human_approval")
+"""The built-in voters a decider runs unless told otherwise (plugin voters run besides them)."""
+
+
+@dataclass(frozen=True)
+class VoterSettings:
+    """What building a voter may need: the stack's tools, the rate limit, the judge's engine."""
+
+    tools: Mapping[str, ToolSpec] = field(default_factory=lambda: TOOLS)
+    max_calls_per_minute: int = 1000
+    ask_judge: JudgeAsk | None = None
+
+
+VoterFactory = Callable[[VoterSettings], Voter]
+
+
+def _judge(settings: VoterSettings) -> Voter:
+    if settings.ask_judge is None:
+        raise ValueError("the llm_judge voter needs an engine to ask")
+    return LLMJudge(settings.ask_judge)
+
+
+BUILTIN_VOTERS: dict[str, VoterFactory] = {
+    "allow_list": lambda s: AllowList(default_allowed(s.tools)),
+    "arg_schema": lambda s: ArgumentSchema(),
+    "rate_limit": lambda s: RateLimit(max_calls=s.max_calls_per_minute),
+    "human_approval": lambda s: HumanApproval(),
+    "llm_judge": _judge,
+}
+"""Built-in voters by name, built from the settings (``llm_judge`` is not in ``DEFAULT_VOTERS``)."""
 
 
 def default_decider(allowed: dict[str, frozenset[str]] | None = None, *, max_calls_per_minute: int = 1000) -> Decider:

@@ -36,11 +36,12 @@ from log import LoggedEvent, SharedLog
 from log.topics import AGENT_ACTIONS, AGENT_EFFECTS, AGENT_VERDICTS, OPS_COMMANDS
 from schemas import events as ev
 from schemas.events import ApprovalDecision
+from services.registry import Registry
 from services.session import SessionState, ToolCall, ToolStatus
-from services.tools import TOOLS
 from workers.crash import crash_point
+from workers.plugins import builtin_registry
 from workers.runtime import SessionWorker, add_snapshot_arguments, open_snapshot_store
-from workers.tools import IMPLEMENTATIONS, Ledger, ToolContext
+from workers.tools import Ledger, ToolContext, run_tool
 
 _log = logging.getLogger(__name__)
 
@@ -58,9 +59,11 @@ class ExecutorWorker(SessionWorker):
         ledger: Ledger | None = None,
         sandbox: Path | None = None,
         time_scale: float = 1.0,
+        registry: Registry | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(log, **kwargs)
+        self.registry = registry or builtin_registry()
         self.ledger = ledger
         self.sandbox = sandbox or Path(tempfile_dir()) / "sandbox"
         self.time_scale = time_scale
@@ -86,6 +89,7 @@ class ExecutorWorker(SessionWorker):
             sandbox=args.sandbox,
             time_scale=args.time_scale,
             snapshots=await open_snapshot_store(log, args),
+            registry=args.registry,
         )
 
     async def close(self) -> None:
@@ -101,8 +105,8 @@ class ExecutorWorker(SessionWorker):
             if tool.status is ToolStatus.COMMITTED:
                 self._start(state, tool, attempt=1)
             elif tool.status is ToolStatus.STARTED:
-                spec = TOOLS.get(tool.proposed.tool)
-                if spec is not None and spec.retry_safe:
+                known = self.registry.tools.get(tool.proposed.tool)
+                if known is not None and known.spec.retry_safe:
                     self._start(state, tool, attempt=tool.attempts + 1)
                 else:
                     await self._in_doubt(state, tool)
@@ -190,14 +194,14 @@ class ExecutorWorker(SessionWorker):
             key=f"{call_id}/{attempt}",
         )
         self._crash("executor.after_started", proposed.tool)
-        implementation = IMPLEMENTATIONS.get(proposed.tool)
+        implementation = self.registry.tools.get(proposed.tool)
         context = ToolContext(session_id, call_id, proposed.idempotency_key, self.sandbox, self.ledger, self.time_scale)
         began = time.monotonic()
         outcome: ev.ToolCallCompleted | ev.ToolCallFailed
         try:
             if implementation is None:
                 raise LookupError(f"no implementation for tool {proposed.tool!r}")
-            result, tokens = await implementation(json.loads(proposed.arguments_json), context)
+            result, tokens = await run_tool(implementation, json.loads(proposed.arguments_json), context)
             self.num_executed += 1
             self._crash("executor.after_tool", proposed.tool)
             outcome = ev.ToolCallCompleted(

@@ -14,6 +14,7 @@ import os
 from typing import Any, Protocol
 
 from log import SharedLog, open_log
+from workers.plugins import add_plugin_arguments, registry_from_args
 
 
 class WorkerClass(Protocol):
@@ -36,8 +37,10 @@ def run_worker(worker_class: Any, argv: list[str] | None = None) -> None:
         help="stable name of this member across restarts (its replacement takes its partitions back at once)",
     )
     parser.add_argument("--log-level", default=os.environ.get("AGENTLOG_LOG_LEVEL", "INFO"))
+    add_plugin_arguments(parser)
     worker_class.add_arguments(parser)
     args = parser.parse_args(argv)
+    args.registry = registry_from_args(parser, args)  # every role sees the same programs, tools, voters
     logging.basicConfig(
         level=args.log_level, format=f"%(asctime)s {worker_class.role}[{os.getpid()}] %(levelname)s %(message)s"
     )

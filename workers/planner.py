@@ -80,12 +80,14 @@ from services.planning import (
     WaitFor,
     next_move,
 )
-from services.programs import PROGRAMS, Program
+from services.programs import Program
+from services.registry import Registry
 from services.replay import cut_events
 from services.session import SessionState
 from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable
 from workers.engines.factory import ENGINE_KINDS, create_engine
+from workers.plugins import builtin_registry
 from workers.replay import session_at, take_checkpoint
 from workers.runtime import SessionWorker, log_namespace, snapshot_url
 
@@ -108,6 +110,7 @@ class PlannerWorker(SessionWorker):
         *,
         engine: Engine,
         programs: dict[str, Program] | None = None,
+        registry: Registry | None = None,
         engine_patience_s: float = 120.0,
         checkpoint_every: int = 0,
         snapshots: SnapshotStore | None = None,
@@ -115,7 +118,9 @@ class PlannerWorker(SessionWorker):
     ) -> None:
         super().__init__(log, **kwargs)
         self.engine = engine
-        self.programs = programs if programs is not None else PROGRAMS
+        self.registry = registry or builtin_registry()
+        self.programs = programs if programs is not None else self.registry.programs
+        self.tools = self.registry.tool_specs
         self.engine_patience_s = engine_patience_s
         self.checkpoint_every = checkpoint_every
         self.snapshots = snapshots
@@ -163,6 +168,7 @@ class PlannerWorker(SessionWorker):
             engine=engine,
             checkpoint_every=args.checkpoint_every,
             snapshots=snapshots,
+            registry=args.registry,
         )
 
     async def close(self) -> None:
@@ -212,7 +218,7 @@ class PlannerWorker(SessionWorker):
         """Carry out one move; True when there may be another one right away."""
         await self._fork_requests(state)
         program = self.programs.get(state.program)
-        move = next_move(state, program, checkpoint_every=self.checkpoint_every)
+        move = next_move(state, program, checkpoint_every=self.checkpoint_every, tools=self.tools)
         sid = state.session_id
         match move:
             case Idle() | WaitFor():
@@ -222,7 +228,7 @@ class PlannerWorker(SessionWorker):
             case CutCheckpoint():
                 await self._checkpoint(state, move)
             case ProposeCompensations():
-                await self._append_all(decide(state, move, engine_id=self.engine.engine_id))
+                await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
                 crash_point("planner.after_compensations")
             case ApplyRestore():
                 crash_point("planner.before_restore")
@@ -242,13 +248,13 @@ class PlannerWorker(SessionWorker):
             case CallEngine():
                 await self._call_engine(state, move)
             case ProposeTool():
-                await self._append_all(decide(state, move, engine_id=self.engine.engine_id))
+                await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
                 crash_point("planner.after_proposed")
             case FailSession():
                 _log.warning("session %s fails: %s (%s)", sid, move.reason, move.error_type)
-                await self._append_all(decide(state, move, engine_id=self.engine.engine_id))
+                await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
             case StartSession() | RefuseRestore() | FinishSession():
-                await self._append_all(decide(state, move, engine_id=self.engine.engine_id))
+                await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
         return True
 
     async def _append_all(self, appends: list[Append]) -> None:
@@ -336,7 +342,7 @@ class PlannerWorker(SessionWorker):
     async def _call_engine(self, state: SessionState, move: CallEngine) -> None:
         sid = state.session_id
         if not move.resume:
-            await self._append_all(decide(state, move, engine_id=self.engine.engine_id))
+            await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
             crash_point("planner.after_llm_started")
         try:
             completion = await self._complete(sid, move)

@@ -14,6 +14,7 @@ idempotency key: it records every execution, so a duplicate would be visible
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import tempfile
@@ -23,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+
+from services.registry import Tool, ToolOutput
+from services.tools import TOOLS
 
 LEDGER_DDL = """
 CREATE SCHEMA IF NOT EXISTS agentlog_ledger;
@@ -160,3 +164,36 @@ IMPLEMENTATIONS: dict[str, ToolFn] = {
     "book": book,
     "cancel_booking": cancel_booking,
 }
+
+
+def _counted(fn: ToolFn) -> Callable[[dict[str, Any], ToolContext], Awaitable[ToolOutput]]:
+    """A built-in (which returns ``(result, tokens)``) in the form every registered tool has."""
+
+    async def run(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
+        result, tokens = await fn(args, ctx)
+        return ToolOutput(result, tokens)
+
+    run.__name__ = fn.__name__
+    return run
+
+
+BUILTIN_TOOLS: tuple[Tool, ...] = tuple(Tool(TOOLS[name], _counted(fn)) for name, fn in IMPLEMENTATIONS.items())
+"""The built-in tools as registry entries (``workers/plugins.py`` registers them like any plugin's)."""
+
+
+async def run_tool(tool: Tool, args: dict[str, Any], ctx: ToolContext) -> tuple[Any, int]:
+    """Run a registered tool: ``(result, result_tokens)``.
+
+    An ``async def`` is awaited; a plain function runs in a thread (it may block: it must not
+    stall the executor's other calls). A result that is not a ``ToolOutput`` is counted at one
+    token per four characters of its JSON.
+    """
+    if inspect.iscoroutinefunction(tool.function):
+        output = await tool.function(args, ctx)
+    else:
+        output = await asyncio.to_thread(tool.function, args, ctx)
+        if inspect.isawaitable(output):
+            output = await output
+    if isinstance(output, ToolOutput):
+        return output.result, int(output.tokens)
+    return output, _tokens(json.dumps(output, sort_keys=True))

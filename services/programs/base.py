@@ -9,6 +9,8 @@ recorded results and run only what is left.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -54,6 +56,10 @@ class Prompt:
     def to_json(self) -> dict[str, Any]:
         return {"runs": [[r.seed, r.count] for r in self.runs], "text": self.text}
 
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON: what ``LLMCallStarted.prompt_digest`` records."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
     @staticmethod
     def from_json(data: dict[str, Any]) -> Prompt:
         return Prompt(tuple(TokenRun(seed, count) for seed, count in data.get("runs", [])), data.get("text"))
@@ -71,6 +77,10 @@ def output_run(request_id: str, num_tokens: int) -> TokenRun:
 class CallLLM:
     prompt: Prompt
     max_output_tokens: int
+    messages: tuple[dict[str, Any], ...] = ()
+    """The chat messages the prompt was rendered from (SDK programs); empty for token-run prompts."""
+    tools: tuple[dict[str, Any], ...] = ()
+    """The tools (OpenAI function specs) offered to the model with the messages."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +134,8 @@ class LLMResult:
     output_text: str
     prompt_tokens: int
     output_tokens: int
+    prompt_digest: str = ""
+    """The digest of the prompt the log recorded for this call (empty: not known)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +146,8 @@ class ToolResult:
     result: Any
     result_tokens: int
     error: str | None = None
+    arguments: dict[str, Any] | None = None
+    """The arguments the log recorded for this call (None: not known, or a checkpoint or merge step)."""
 
 
 Result = LLMResult | ToolResult
@@ -172,3 +186,10 @@ class Program(Protocol):
 
 class InvalidAction(Exception):
     """A program returned something that is not an action, or an action that cannot be carried out."""
+
+
+class NonDeterminism(Exception):
+    """A program asked, on replay, for something else than the log holds for that step.
+
+    The message names the step. The planner fails the session with error type ``NonDeterminism``.
+    """

@@ -62,9 +62,9 @@ from services.planning import (
     WaitFor,
     next_move,
 )
-from services.programs import PROGRAMS
+from services.programs import PROGRAMS, Program
 from services.session import SessionState, ToolStatus
-from services.tools import TOOLS
+from services.tools import TOOLS, ToolSpec
 from workers.runtime import event_id
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -83,6 +83,12 @@ class World:
     """(session, call id) -> how many times the tool's effect ran."""
     snapshots: dict[tuple[str, str], tuple[dict[str, int], dict[str, Any]]] = field(default_factory=dict)
     checkpoint_every: int = 0
+    programs: dict[str, Program] = field(default_factory=lambda: dict(PROGRAMS))
+    tools: dict[str, ToolSpec] = field(default_factory=lambda: dict(TOOLS))
+    rejected: set[str] = field(default_factory=set)
+    """Tools the decider aborts (every other proposal is committed)."""
+    results: dict[str, Any] = field(default_factory=dict)
+    """Tool name -> the result its calls complete with (default ``{"ok": true}``)."""
 
     # ------------------------------------------------------------------ log
 
@@ -152,12 +158,14 @@ class World:
         """One planner move (``services.decide``'s events, as the planner appends them); False when it only waits."""
         state = self.state(session)
         forked = self._fork_requests(state)
-        move = next_move(state, PROGRAMS.get(state.program), checkpoint_every=self.checkpoint_every)
+        move = next_move(
+            state, self.programs.get(state.program), checkpoint_every=self.checkpoint_every, tools=self.tools
+        )
         match move:
             case Idle() | WaitFor() | NeedBase():
                 return forked
             case CallEngine():
-                self.planner_append_all(decide(state, move, engine_id=ENGINE_ID))
+                self.planner_append_all(decide(state, move, engine_id=ENGINE_ID, tools=self.tools))
                 if crash_in_llm:
                     return True
                 done = ev.LLMCallCompleted(
@@ -167,9 +175,9 @@ class World:
                 )  # fmt: skip
                 self.planner_append_all([llm_completed(state, move, done)])
             case StartSession() | ProposeTool() | FinishSession() | FailSession() | ProposeCompensations():
-                self.planner_append_all(decide(state, move, engine_id=ENGINE_ID))
+                self.planner_append_all(decide(state, move, engine_id=ENGINE_ID, tools=self.tools))
             case RefuseRestore():
-                self.planner_append_all(decide(state, move, engine_id=ENGINE_ID))
+                self.planner_append_all(decide(state, move, engine_id=ENGINE_ID, tools=self.tools))
             case CutCheckpoint():
                 self.take_checkpoint(state, move)
             case ApplyRestore():
@@ -235,7 +243,9 @@ class World:
         moved = False
         for tool in self.own_state(session).tool_calls.values():
             if tool.status is ToolStatus.PROPOSED:
-                body = ev.ToolCallCommitted(call_id=tool.call_id, votes=[], policy="unanimous")
+                body: ev.Event = ev.ToolCallCommitted(call_id=tool.call_id, votes=[], policy="unanimous")
+                if tool.proposed.tool in self.rejected:
+                    body = ev.ToolCallAborted(call_id=tool.call_id, votes=[], policy="unanimous", reason="refused")
                 moved |= self.append(session, body, "decider", eid=event_id(session, "verdict", tool.call_id))
         return moved
 
@@ -243,7 +253,7 @@ class World:
         """Run committed calls; ``crash``: ``before_effect`` or ``after_effect`` (SIGKILL after Started)."""
         moved = False
         for tool in self.own_state(session).tool_calls.values():
-            spec = TOOLS[tool.proposed.tool]
+            spec = self.tools[tool.proposed.tool]
             if tool.status is ToolStatus.COMMITTED:
                 moved |= self._run(session, tool.call_id, 1, crash)
                 crash = None  # one crash per call of this function
@@ -279,7 +289,8 @@ class World:
         self.executions[(session, call_id)] += 1
         if crash == "after_effect":
             return True
-        done = ev.ToolCallCompleted(call_id=call_id, result_json='{"ok": true}', result_tokens=4, duration_ms=1)
+        result = json.dumps(self.results.get(tool.proposed.tool, {"ok": True}))
+        done = ev.ToolCallCompleted(call_id=call_id, result_json=result, result_tokens=4, duration_ms=1)
         self.append(session, done, "executor", eid=event_id(session, "completed", call_id))
         return True
 
@@ -294,7 +305,9 @@ class World:
         Empty: it waits on nothing that can ever move (a fork without its lineage record, a merge
         waiting for a session that does not exist or is over, ...)."""
         state = self.state(session)
-        move = next_move(state, PROGRAMS.get(state.program), checkpoint_every=self.checkpoint_every)
+        move = next_move(
+            state, self.programs.get(state.program), checkpoint_every=self.checkpoint_every, tools=self.tools
+        )
         branches: tuple[str, ...] = ()
         match move:
             case WaitFor():
