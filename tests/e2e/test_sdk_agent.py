@@ -206,7 +206,12 @@ def test_a_program_that_changes_its_mind_on_replay_fails_with_nondeterminism(
     scenario.start()
     session = f"fickle-{uuid.uuid4().hex[:4]}"
     try:
-        asyncio.run(scenario.request(session, "fickle_agent", {"goal": "search flights, book flight"}))
+        # Within budget, so budget_guard approves and the booking waits for a human: the session is still
+        # open when the planner comes back with another mind (over budget, the voter would abort the
+        # call and the session would fail with ToolError before the kill).
+        asyncio.run(
+            scenario.request(session, "fickle_agent", {"goal": "search flights, book flight", "budget_cents": 100_000})
+        )
         held = asyncio.run(_wait_for(scenario, session, lambda s: "tool-2" in s.tool_calls))
         assert held.tool_calls["tool-2"].status.value == "proposed"  # waiting for an approval nobody gives
         planner = scenario.stack.processes["planner-0"]
