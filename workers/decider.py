@@ -7,20 +7,21 @@ approval or a denial arrives. The verdict's event id is derived from the
 call, so a verdict is never appended twice, even across restarts.
 
 Run: ``python -m workers.decider [--log-url URL] [--snapshot-url postgresql://...]`` (snapshots
-and partition marks: a restart reads its partitions from their marks, workers/runtime.py).
+and partition marks: a restart reads its partitions from their marks, workers/recovery.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
 
 from log import LoggedEvent, SharedLog
 from schemas import events as ev
 from schemas.events import VoteDecision
 from services.session import SessionState, ToolCall, ToolStatus
 from services.voters import Decider, Proposal, default_decider
+from workers.config import add_snapshot_arguments, open_snapshot_store
 from workers.crash import crash_point
-from workers.runtime import SessionWorker, add_snapshot_arguments, open_snapshot_store
+from workers.runtime import SessionWorker
 
 
 class DeciderWorker(SessionWorker):
@@ -34,11 +35,11 @@ class DeciderWorker(SessionWorker):
         self.decider = decider or default_decider()
 
     @staticmethod
-    def add_arguments(parser: Any) -> None:
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_snapshot_arguments(parser)
 
     @classmethod
-    async def create(cls, log: SharedLog, args: Any) -> DeciderWorker:
+    async def create(cls, log: SharedLog, args: argparse.Namespace) -> DeciderWorker:
         snapshots = await open_snapshot_store(log, args)
         return cls(log, group=args.group, instance_id=args.instance_id, snapshots=snapshots)
 

@@ -70,13 +70,14 @@ from services.planning import (
 from services.programs import PROGRAMS, Program
 from services.session import SessionState
 from services.tools import TOOLS, idempotency_key
+from workers.config import log_namespace, snapshot_url
 from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable
 from workers.engines.factory import ENGINE_KINDS, create_engine
 from workers.replay import cut_events, session_at, take_checkpoint
-from workers.runtime import SessionWorker, log_namespace, snapshot_url
+from workers.runtime import SessionWorker
 
-__all__ = ["PlannerWorker", "log_namespace", "snapshot_url"]  # the last two moved to workers.runtime
+__all__ = ["PlannerWorker"]
 
 _log = logging.getLogger(__name__)
 
