@@ -92,8 +92,19 @@ class Worker:
     """Base class of every role's process loop (see the module docstring for the lifecycle).
 
     Subclasses set ``role`` and ``topics`` and implement ``handle``; they may override
-    ``prepare``, ``open_consumer``, ``flush``, ``drain`` and, for ``workers.main``,
-    ``add_arguments``, ``create`` and ``close``.
+    ``prepare``, ``open_consumer``, ``flush``, ``drain``, ``closed`` and, for
+    ``workers.main``, ``add_arguments``, ``create`` and ``close``. A role that folds
+    sessions subclasses ``workers.runtime.SessionWorker`` instead. The smallest role::
+
+        class Tally(Worker):
+            role = "auditor"
+            topics = ("agent.actions",)
+
+            async def handle(self, events: list[LoggedEvent]) -> None:
+                self.num_seen += len(events)  # read-only: committed after every poll
+
+        if __name__ == "__main__":
+            run_worker(Tally)  # workers.main: options, signals, run, close
     """
 
     role = "worker"
