@@ -288,8 +288,8 @@ def state(
     """A session's folded state and digest, replayed from its newest snapshot (or from the start)."""
     from log.snapshots import SnapshotStore
     from services.checkpoint import state_digest
-    from workers.planner import log_namespace
-    from workers.planner import snapshot_url as find_snapshot_url
+    from workers.config import log_namespace
+    from workers.config import snapshot_url as find_snapshot_url
     from workers.replay import replay_session
 
     async def go() -> None:

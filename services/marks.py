@@ -9,7 +9,7 @@ low-water mark), or, for a topic no such session needs, how far the worker
 has read; it lists the sessions that need work, with the checkpoint each
 starts from. Sessions not listed needed nothing when the mark was made: their
 records below ``read_to`` are skipped at recovery, and a later record of one
-of them makes the worker load it from the log then (``workers/runtime.py``).
+of them makes the worker load it from the log then (``workers/recovery.py``).
 
 The worker gathers the offsets, the states and which checkpoints
 have snapshots, and stores the mark (``log.snapshots.SnapshotStore.save_mark``).

@@ -19,10 +19,12 @@ written, so ``ttl_ms`` is in log time, as the engine expects.
 decisions for appending. At most one ``append_many`` is in flight, so decisions land in
 order; it runs while the next polls are read and folded, and when it has landed the next
 one takes everything queued meanwhile (the loop waits for it only when more than
-``MAX_QUEUED_DECISIONS`` are queued). Offsets are committed about once a second,
-after the appends before them landed; they serve monitoring (consumer lag), since
-recovery reads from 0. A decision's event id is ``uuid5(trigger event id, kind,
-session)``: appending it again is a no-op.
+``MAX_QUEUED_DECISIONS`` are queued). Offsets are committed about once a second
+(``commit_every_s``, the skeleton's cadence: ``workers/worker.py``), after the appends
+before them landed; they serve monitoring (consumer lag), since recovery reads from 0.
+A decision's event id is ``uuid5(trigger event id, kind, session)`` in the cache
+manager's namespace (``event_ids``; computed by ``services.cache.manager``, which
+decides): appending it again is a no-op.
 
 **Recovery: re-read from the beginning, with kv.decisions as the record of what was
 decided.** State (views, pins, TTLs, memory, the latency model) is a fold of the whole
@@ -73,20 +75,21 @@ import gc
 import heapq
 import logging
 import os
-import signal
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from log import Draft, LoggedEvent, SharedLog
+from log.consumer import EventConsumer
 from log.topics import AGENT_ACTIONS, AGENT_EFFECTS, KV_DECISIONS, KV_EVENTS
 from schemas import events as ev
 from schemas.events import CacheDecisionMade, Model, SessionId
-from services.cache.manager import CacheManager, Decided, ManagerConfig
+from services.cache.manager import NAMESPACE, CacheManager, Decided, ManagerConfig
 from services.cache.policy import CachePolicy
 from workers.crash import crash_point
+from workers.worker import EventIds, Worker
 
 _log = logging.getLogger(__name__)
 
@@ -169,9 +172,11 @@ def logged_as_decided(previous: Decided, logged: CacheDecisionMade, time_scale: 
     return replace(previous, decision=decision)
 
 
-class CacheManagerWorker:
+class CacheManagerWorker(Worker):
     role = "cache-manager"
     topics: Sequence[str] = INPUT_TOPICS
+    event_ids = EventIds(NAMESPACE)
+    """``(trigger event id, kind, decided session)``: ``services.cache.manager.decision_event_id``."""
 
     def __init__(
         self,
@@ -191,13 +196,10 @@ class CacheManagerWorker:
     ) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
-        self.log = log
+        super().__init__(log, group=group, instance_id=instance_id, poll_timeout_s=poll_timeout_s)
         self.config = config
         self.manager = CacheManager(config, policy if policy is not None else CachePolicy())
-        self.group = group or self.role
-        self.instance_id = instance_id
         self.time_scale = time_scale
-        self.poll_timeout_s = poll_timeout_s
         self.max_records = max_records
         self.stats = stats if stats is not None else WorkerStats()
         self.recover = recover
@@ -206,9 +208,7 @@ class CacheManagerWorker:
         self._order_log: TextIO | None = order_log.open("a") if order_log is not None else None
         """False: every event read is new (no replay rules); benchmarks reading a backlog."""
         self.caught_up = asyncio.Event()
-        self._stopping = asyncio.Event()
         self._logged: dict[str, CacheDecisionMade] = {}
-        self._boundary: dict[tuple[str, int], int] = {}  # replay end per input (topic, partition)
         # Replayed decisions not in the log, per kv.decisions partition, in decision order,
         # since the last one of that partition found in the log (appended when the replay ends).
         self._pending: dict[int, list[Decided]] = {}
@@ -268,62 +268,46 @@ class CacheManagerWorker:
             self._order_log.close()
             self._order_log = None
 
-    def shutdown(self) -> None:
-        """Ask ``run()`` to stop after the current poll (its decisions appended and committed)."""
-        self._stopping.set()
-
-    def install_signal_handlers(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.shutdown)
-
     # -------------------------------------------------------------------- loop
 
-    async def run(self) -> None:
+    async def prepare(self) -> None:
+        """Read every decision already logged, and where the replay of each input partition ends."""
         if self.recover:
             if self.log.num_partitions < 1:
                 raise RuntimeError("start the log before the cache manager (recovery needs its partition count)")
             self._logged = await self.read_decisions()
-            for topic in self.topics:
-                for partition, end in (await self.log.end_offsets(topic)).items():
-                    self._boundary[(topic, partition)] = end
+            self.set_boundaries({topic: await self.log.end_offsets(topic) for topic in self.topics})
         _log.info(
             "cache manager: %d decisions in the log; replaying %d events",
             len(self._logged),
             sum(self._boundary.values()),
         )
-        consumer = await self.log.consumer(
-            self.group, list(self.topics), from_beginning=True, instance_id=self.instance_id
-        ).start()
-        last_commit = time.monotonic()
-        try:
-            while not self._stopping.is_set():
-                events = await consumer.poll(timeout_s=self.poll_timeout_s, max_records=self.max_records)
-                received = time.perf_counter()
-                drafts, ready = self.process(events, received)
-                if not self.caught_up.is_set() and self._replay_done(consumer):
-                    drafts.extend(self._flush_pending())
-                    self._logged = {}  # only the replay reads it
-                    self.caught_up.set()
-                    _log.info("cache manager caught up: %s", self.stats.summary())
-                if drafts:
-                    crash_point("cache-manager.before_append")
-                    self._queued.extend(drafts)
-                    self._queued_ready.extend(ready)
-                await self._pump()
-                if time.monotonic() - last_commit >= self.commit_every_s:
-                    # Offsets are for monitoring (recovery reads from 0): commit what is appended.
-                    await self._flush_appends()
-                    await consumer.commit()
-                    last_commit = time.monotonic()
-            await self._flush_appends()
-            await consumer.commit()
-        finally:
-            if self._inflight is not None and not self._inflight.done():
-                self._inflight.cancel()
-            self._inflight = None
-            await consumer.close()
-            _log.info("cache manager stopped: %s", self.stats.summary())
+
+    async def handle(self, events: list[LoggedEvent]) -> None:
+        consumer = self.consumer
+        assert consumer is not None
+        received = time.perf_counter()
+        drafts, ready = self.process(events, received)
+        if not self.caught_up.is_set() and self._replay_done(consumer):
+            drafts.extend(self._flush_pending())
+            self._logged = {}  # only the replay reads it
+            self.caught_up.set()
+            _log.info("cache manager caught up: %s", self.stats.summary())
+        if drafts:
+            crash_point("cache-manager.before_append")
+            self._queued.extend(drafts)
+            self._queued_ready.extend(ready)
+        await self._pump()
+
+    async def flush(self, *, final: bool) -> None:
+        # Offsets are for monitoring (recovery reads from 0): commit what is appended.
+        await self._flush_appends()
+
+    async def closed(self) -> None:
+        if self._inflight is not None and not self._inflight.done():
+            self._inflight.cancel()
+        self._inflight = None
+        _log.info("cache manager stopped: %s", self.stats.summary())
 
     async def _pump(self) -> None:
         """Start the next append if none is in flight; wait for the one in flight only when
@@ -411,7 +395,7 @@ class CacheManagerWorker:
                 stats.decide_s.append(now - began)
                 stats.ready_s.append(now - received)
             stats.num_decisions += len(decided)
-            if position.offset < self._boundary.get(tp, 0):
+            if self.is_replay(event):
                 self._replayed(decided)
                 continue
             drafts.extend(self._draft(d) for d in decided)
@@ -446,11 +430,9 @@ class CacheManagerWorker:
         self._pending.clear()
         return drafts
 
-    def _replay_done(self, consumer: Any) -> bool:
+    def _replay_done(self, consumer: EventConsumer) -> bool:
         assignment = consumer.assignment()
-        if not assignment:
-            return False
-        return all(consumer.position(t, p) >= self._boundary.get((t, p), 0) for t, p in assignment)
+        return bool(assignment) and self.replay_done(consumer, assignment)
 
     def _draft(self, d: Decided) -> Draft:
         return Draft(d.session_id, d.to_event(self.config.engine_id, self.time_scale), d.event_id, d.trigger_id)

@@ -14,11 +14,12 @@ a call is consistent with the session's goal; on the simulated engine, which has
 no model, it answers with ``services.voters.simulated_judge`` (deterministic).
 
 Run: ``python -m workers.decider [--log-url URL] [--snapshot-url postgresql://...] [--voters NAMES]``
-(snapshots and partition marks: a restart reads its partitions from their marks, workers/runtime.py).
+(snapshots and partition marks: a restart reads its partitions from their marks, workers/recovery.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 from typing import Any
@@ -40,10 +41,11 @@ from services.voters import (
     default_decider,
     simulated_judge,
 )
+from workers.config import add_snapshot_arguments, open_snapshot_store
 from workers.crash import crash_point
 from workers.engines.factory import ENGINE_KINDS, create_engine
 from workers.plugins import builtin_registry
-from workers.runtime import SessionWorker, add_snapshot_arguments, open_snapshot_store
+from workers.runtime import SessionWorker
 
 JUDGE_MAX_TOKENS = 48
 JUDGE_TIMEOUT_S = 60.0
@@ -65,7 +67,7 @@ class DeciderWorker(SessionWorker):
         self.engine: Any = None
 
     @staticmethod
-    def add_arguments(parser: Any) -> None:
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_snapshot_arguments(parser)
         parser.add_argument(
             "--voters",
@@ -82,7 +84,7 @@ class DeciderWorker(SessionWorker):
         )
 
     @classmethod
-    async def create(cls, log: SharedLog, args: Any) -> DeciderWorker:
+    async def create(cls, log: SharedLog, args: argparse.Namespace) -> DeciderWorker:
         registry: Registry = args.registry
         names = voter_names(args.voters, registry)
         worker_engine = None

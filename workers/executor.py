@@ -19,7 +19,7 @@ each also as ``<point>.<tool>`` (e.g. ``executor.after_tool.payment``).
 
 Run: ``python -m workers.executor [--log-url URL] [--ledger-url URL] [--sandbox DIR] [--time-scale F]
 [--snapshot-url postgresql://...]`` (snapshots and partition marks: a restart reads its partitions
-from their marks, workers/runtime.py).
+from their marks, workers/recovery.py).
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ from schemas import events as ev
 from schemas.events import ApprovalDecision
 from services.registry import Registry
 from services.session import SessionState, ToolCall, ToolStatus
+from workers.config import add_snapshot_arguments, open_snapshot_store
 from workers.crash import crash_point
 from workers.plugins import builtin_registry
-from workers.runtime import SessionWorker, add_snapshot_arguments, open_snapshot_store
+from workers.runtime import SessionWorker
 from workers.tools import Ledger, ToolContext, run_tool
 
 _log = logging.getLogger(__name__)

@@ -2,7 +2,9 @@
 
 Credentials and URLs come from options or the environment (``AGENTLOG_LOG_URL``);
 SIGTERM or SIGINT drain in-flight work and exit cleanly; SIGKILL is what the
-recovery tests use.
+recovery tests use. Every role is a ``workers.worker.Worker``: ``create`` builds it
+from the options, ``run`` returns once it is drained, ``close`` releases what
+``create`` opened.
 """
 
 from __future__ import annotations
@@ -11,23 +13,25 @@ import argparse
 import asyncio
 import logging
 import os
-from typing import Any, Protocol
+from typing import Protocol
 
 from log import SharedLog, open_log
 from workers.plugins import add_plugin_arguments, registry_from_args
+from workers.worker import Worker
 
 
 class WorkerClass(Protocol):
+    """What ``run_worker`` needs of a role: a ``Worker`` subclass has all of it."""
+
     role: str
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None: ...
 
-    @classmethod
-    async def create(cls, log: SharedLog, args: argparse.Namespace) -> Any: ...
+    async def create(self, log: SharedLog, args: argparse.Namespace) -> Worker: ...
 
 
-def run_worker(worker_class: Any, argv: list[str] | None = None) -> None:
+def run_worker(worker_class: WorkerClass, argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m workers.{worker_class.role.replace('-', '_')}")
     parser.add_argument("--log-url", default=os.environ.get("AGENTLOG_LOG_URL"), help="default: embedded Postgres")
     parser.add_argument("--group", default=None, help=f"consumer group (default: {worker_class.role})")
@@ -48,7 +52,7 @@ def run_worker(worker_class: Any, argv: list[str] | None = None) -> None:
     asyncio.run(_main(worker_class, args))
 
 
-async def _main(worker_class: Any, args: argparse.Namespace) -> None:
+async def _main(worker_class: WorkerClass, args: argparse.Namespace) -> None:
     async with open_log(args.log_url, actor=worker_class.role) as log:
         worker = await worker_class.create(log, args)
         worker.install_signal_handlers()

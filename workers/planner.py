@@ -84,14 +84,15 @@ from services.programs import Program
 from services.registry import Registry
 from services.replay import cut_events
 from services.session import SessionState
+from workers.config import log_namespace, snapshot_url
 from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable
 from workers.engines.factory import ENGINE_KINDS, create_engine
 from workers.plugins import builtin_registry
 from workers.replay import session_at, take_checkpoint
-from workers.runtime import SessionWorker, log_namespace, snapshot_url
+from workers.runtime import SessionWorker
 
-__all__ = ["PlannerWorker", "log_namespace", "snapshot_url"]  # the last two moved to workers.runtime
+__all__ = ["PlannerWorker"]
 
 _log = logging.getLogger(__name__)
 

@@ -1,16 +1,18 @@
 """The engine bridge: one per engine instance, as the ``engine-bridge`` principal.
 
-Two loops run side by side:
+A ``workers.worker.Worker`` with two inputs, side by side:
 
-- **events in**: the engine's KV event batches (``KVSource``) become ``kv.events``
-  records, keyed by the agent session they belong to. Each record's event id is
-  ``uuid5(engine_id/epoch/seq/index)``, and ``SharedLog`` ignores an event id it already
+- **events in** (a task running ``alongside`` the loop): the engine's KV event batches
+  (``KVSource``) become ``kv.events`` records, keyed by the agent session they belong
+  to. Each record's event id is ``uuid5(engine_id/epoch/seq/index)`` in the bridge's
+  namespace (``event_ids``), and ``SharedLog`` ignores an event id it already
   holds, so a bridge that restarts simply reads the engine's replay buffer again from
   its oldest batch: what it had appended is skipped, what it had not is appended,
   nothing twice. Batches that the engine no longer has (``KVEventsLost``) are counted
   and logged, never invented.
-- **decisions out**: ``kv.decisions`` records for this engine (``engine_id`` matches)
-  are carried out by the ``Actuator``, then committed in the bridge's consumer group
+- **decisions out** (the worker's loop): ``kv.decisions`` records for this engine
+  (``engine_id`` matches) are carried out by the ``Actuator``, then committed after each
+  poll in the bridge's consumer group
   ``engine-bridge.<engine id>``; a crash between the two applies a decision again,
   which every actuator verb tolerates (pin again, release again, ...). A decision is
   about one tool-call gap, so a *stale* one is skipped: a PRESERVE whose TTL had
@@ -20,6 +22,10 @@ Two loops run side by side:
   the engine's buffered batches before its first decision, so that it knows). A SWAP the engine
   refuses (no host room; no host tier at all) falls back to RELEASE: both free the
   GPU blocks for others, a release keeps them cached until the LRU needs them.
+
+On SIGTERM the loop finishes the decisions of its current poll and commits them, the
+events-in task is cancelled (a batch cut short is appended again, under the same ids,
+by the next run), and the bridge exits; an error in either input stops it.
 
 Engines plug in as modules ``workers.engine_bridge.<kind>`` with two functions,
 ``add_arguments(parser)`` and ``create(args) -> (KVSource, Actuator)``;
@@ -33,28 +39,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from log import SharedLog
+from log import LoggedEvent, SharedLog
 from log.topics import KV_DECISIONS
 from log.types import Draft
 from schemas.events import CacheAction, CacheDecisionMade, KVCacheHit, SessionId
 from workers.crash import crash_point
 from workers.engine_bridge.base import ActuationRefused, Actuator, EngineBatch, KVEventsLost, KVSource
+from workers.worker import EventIds, Worker
 
 __all__ = ["BridgeStats", "EngineBridge", "kv_event_id"]
 
 _log = logging.getLogger(__name__)
 
-_EVENT_ID_NAMESPACE = uuid.UUID("6f1c2a8e-4b0d-5c3e-9a7f-2d8e1b4c6a90")
+KV_EVENT_IDS = EventIds(uuid.UUID("6f1c2a8e-4b0d-5c3e-9a7f-2d8e1b4c6a90"))
+"""The bridge's: ``(engine id, epoch, batch seq, index in the batch)``."""
 
 
 def kv_event_id(engine_id: str, epoch: str, seq: int, index: int) -> str:
     """The event id of the ``index``-th event of batch ``seq`` of an engine run."""
-    return str(uuid.uuid5(_EVENT_ID_NAMESPACE, f"{engine_id}/{epoch}/{seq}/{index}"))
+    return KV_EVENT_IDS(engine_id, epoch, seq, index)
 
 
 @dataclass
@@ -69,8 +76,10 @@ class BridgeStats:
     cursor: tuple[str, int] | None = None
 
 
-class EngineBridge:
+class EngineBridge(Worker):
     role = "engine-bridge"
+    topics = (KV_DECISIONS.name,)
+    event_ids = KV_EVENT_IDS
 
     def __init__(
         self,
@@ -82,42 +91,20 @@ class EngineBridge:
         group: str | None = None,
         instance_id: str | None = None,
     ) -> None:
-        self.log = log
+        super().__init__(log, group=group or f"engine-bridge.{engine_id}", instance_id=instance_id)
         self.source = source
         self.actuator = actuator
         self.engine_id = engine_id
-        self.group = group or f"engine-bridge.{engine_id}"
-        self.instance_id = instance_id
         self.stats = BridgeStats()
-        self._stopping = asyncio.Event()
         self._last_call_at: dict[str, float] = {}  # session -> engine time of its latest call
 
     # ------------------------------------------------------------ lifecycle
 
-    def install_signal_handlers(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.shutdown)
-
-    def shutdown(self) -> None:
-        self._stopping.set()
-
-    async def run(self) -> None:
-        """Both loops until ``shutdown``; an error in either stops the bridge."""
-        tasks = [
-            asyncio.create_task(self._events_in(), name="kv-events-in"),
-            asyncio.create_task(self._decisions_out(), name="kv-decisions-out"),
-        ]
-        stop = asyncio.create_task(self._stopping.wait())
-        try:
-            done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task is not stop:
-                    task.result()  # re-raise a loop's error
-        finally:
-            for task in [*tasks, stop]:
-                task.cancel()
-            await asyncio.gather(*tasks, stop, return_exceptions=True)
+    async def prepare(self) -> None:
+        """Start reading the engine's events, and read its buffered batches before the first
+        decision (see ``_wait_for_backlog``)."""
+        self.alongside(self._events_in(), name="kv-events-in")
+        await self.until(self._wait_for_backlog())
 
     async def close(self) -> None:
         await self.source.aclose()
@@ -169,26 +156,15 @@ class EngineBridge:
         if caught_up is not None:
             await caught_up.wait()
 
-    async def _decisions_out(self) -> None:
-        await self._wait_for_backlog()
-        consumer = await self.log.consumer(
-            self.group, [KV_DECISIONS.name], from_beginning=True, instance_id=self.instance_id
-        ).start()
-        try:
-            while True:
-                events = await consumer.poll(timeout_s=0.5)
-                for event in events:
-                    body = event.body
-                    if not isinstance(body, CacheDecisionMade):
-                        continue
-                    if body.engine_id == self.engine_id:
-                        await self.apply(SessionId(event.session_id), body, event.envelope.occurred_at)
-                    else:
-                        self.stats.num_decisions_for_others += 1
-                if events:
-                    await consumer.commit()
-        finally:
-            await consumer.close()
+    async def handle(self, events: list[LoggedEvent]) -> None:
+        for event in events:
+            body = event.body
+            if not isinstance(body, CacheDecisionMade):
+                continue
+            if body.engine_id == self.engine_id:
+                await self.apply(SessionId(event.session_id), body, event.envelope.occurred_at)
+            else:
+                self.stats.num_decisions_for_others += 1
 
     def is_stale(self, session_id: SessionId, decision: CacheDecisionMade, decided_at: datetime) -> bool:
         if self._last_call_at.get(session_id, float("-inf")) > decided_at.timestamp():
