@@ -84,6 +84,7 @@ from schemas.events import KVTier, SessionId
 from services.cache.manager import CacheManager, ManagerConfig
 from services.cache.policy import CachePolicy
 from workers.cache_manager import GC_THRESHOLDS, CacheManagerWorker, WorkerStats, tune_gc
+from workers.metrics import WorkerMetrics
 
 T0 = datetime(2026, 6, 1, tzinfo=UTC)
 BLOCK = 16
@@ -384,12 +385,24 @@ class _TimedWorker(CacheManagerWorker):
 
 
 async def run_worker(
-    client: str, bootstrap: str, namespace: str, config: ManagerConfig, num_events: int, max_records: int
+    client: str,
+    bootstrap: str,
+    namespace: str,
+    config: ManagerConfig,
+    num_events: int,
+    max_records: int,
+    *,
+    metrics: bool = False,
 ) -> Row:
+    """``metrics``: with Prometheus metrics on, as ``workers.main`` sets them up for ``--metrics-port``
+    (bench/metrics_cost.py compares the two)."""
     stats = WorkerStats(record_latency=True)
     async with SharedLog(client_backend(client, bootstrap, namespace), actor="cache-manager") as log:
         worker = _TimedWorker(log, config=config, max_records=max_records, stats=stats, recover=False)
         worker.target = num_events
+        if metrics:
+            worker.metrics = WorkerMetrics(worker.role)
+            log.on_appended = worker.metrics.appended
         frozen()
         await worker.run()
         assert worker.first is not None and worker.last is not None

@@ -49,6 +49,10 @@ def up(
     gpu_blocks: Annotated[int, typer.Option(help="The sim engine's KV cache, in blocks of 16 tokens")] = 8192,
     host_blocks: Annotated[int, typer.Option(help="Its host tier (swap target), in blocks")] = 0,
     plugins: Plugins = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(help="Serve each worker's /metrics and /health, on this port and the next ones (default: off)"),
+    ] = None,
 ) -> None:
     """Start the engine and every worker as local processes, and keep them running; Ctrl-C (or
     SIGTERM) stops them gracefully.
@@ -83,11 +87,14 @@ def up(
         engine_args=memory,
         cache_manager_args=memory if cache_manager else [],
         extra_env={"AGENTLOG_PLUGINS": plugins or ""},  # every process loads the same plugins
+        metrics_port_base=metrics_port,
     )
     ensure_topics(log_url)
     stack.start()
     for name, process in stack.processes.items():
-        typer.echo(f"{name:<10} pid {process.pid:<7} log {process.log_path}")
+        port = stack.metrics_ports.get(name)
+        metrics = f"  metrics http://127.0.0.1:{port}/metrics" if port is not None else ""
+        typer.echo(f"{name:<10} pid {process.pid:<7} log {process.log_path}{metrics}")
     typer.echo(f"engine     {stack.engine_url}")
     typer.echo("running; Ctrl-C to stop")
     # Ctrl-C and a process manager's SIGTERM both stop the stack gracefully; set explicitly,

@@ -112,9 +112,14 @@ class Stack:
     cache_manager: bool = False
     engine_args: list[str] = field(default_factory=list)
     cache_manager_args: list[str] = field(default_factory=list)
+    metrics_port_base: int | None = None
+    """Serve each worker's /metrics and /health on its own port from this one up (None: no metrics)."""
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+    """The port each worker process got (stable across its restarts)."""
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
+        env.pop("AGENTLOG_METRICS_PORT", None)  # one port for every process would collide: see _process
         if self.log_url:
             env["AGENTLOG_LOG_URL"] = self.log_url
         env["AGENTLOG_TIME_SCALE"] = str(self.time_scale)
@@ -129,6 +134,9 @@ class Stack:
     def _process(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None) -> Process:
         # The process name is its stable member id: a restarted planner-0 is planner-0 again.
         env = self.env({"AGENTLOG_INSTANCE_ID": name, **(env or {})})
+        if self.metrics_port_base is not None and module != "workers.engines.sim_server":
+            port = self.metrics_ports.setdefault(name, self.metrics_port_base + len(self.metrics_ports))
+            env["AGENTLOG_METRICS_PORT"] = str(port)
         if credentials := env.pop("AGENTLOG_KAFKA_CREDENTIALS", None):
             # A secure broker: each process logs in as its own role, with only its own password
             # (the per-principal files beside credentials.json), never with the operator's.

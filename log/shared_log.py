@@ -6,15 +6,21 @@ assigns ``seq`` gapless from 0 and links ``prev_hash`` to the previous record.
 After a restart it recovers both by re-reading the log: the first append to a
 partition replays that partition through a ``ChainVerifier``, the same check
 every consumer makes, so a forged record never becomes the tail it links to.
+
+An observer (``on_appended``, e.g. a worker's Prometheus metrics) hears of every
+record this instance wrote, once it is durable: its topic, the (session, body,
+occurred_at) of each new record (a re-append of a known event id is not new) and
+how long the append took.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from log import topics as topic_table
@@ -33,6 +39,9 @@ _log = logging.getLogger(__name__)
 
 _Pending = tuple[asyncio.Future[list[Position]], int]
 """A record in flight: the future of its append's batch, and its index in the batch."""
+
+AppendObserver = Callable[[str, list[tuple[str, Event, float]], float], None]
+"""``(topic, [(session id, body, occurred_at as epoch seconds)], seconds the append took)``."""
 
 
 @dataclass
@@ -62,6 +71,8 @@ class SharedLog:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         # Dead letters go to a chain of this instance's own (see dead_letter()).
         self._dlq_session = f"dlq/{actor}/{uuid.uuid4().hex[:12]}"
+        self.on_appended: AppendObserver | None = None
+        """Told of every record this instance wrote, once durable (see the module docstring)."""
 
     async def start(self) -> SharedLog:
         await self.backend.start()
@@ -139,8 +150,10 @@ class SharedLog:
         # One future stands for the whole batch; what each record waits for is (that future,
         # its index in the batch). An event_id seen before resolves to its Position, or, while
         # its batch is in flight (earlier in this batch or in a concurrent append), to that pair.
+        began = time.perf_counter()
         batch: asyncio.Future[list[Position]] = asyncio.get_running_loop().create_future()
         results: list[Position | _Pending] = []
+        written: list[tuple[str, Event, float]] = []  # for on_appended: (session, body, occurred_at)
         out: list[OutRecord] = []
         fresh: list[tuple[_Chain, str]] = []  # the chain and event_id of each record of ``out``
         async with self._locks[topic.name]:
@@ -157,12 +170,13 @@ class SharedLog:
                     if known is not None:
                         results.append(known)
                         continue
+                    occurred_at = draft.occurred_at or self.clock()
                     value, digest = self.codec.encode(
                         event_id=event_id,
                         session_id=draft.session_id,
                         seq=chain.next_seq,
                         actor=self.actor,
-                        occurred_at=draft.occurred_at or self.clock(),
+                        occurred_at=occurred_at,
                         causation_id=draft.causation_id,
                         prev_hash=chain.last_hash,
                         body=draft.body,
@@ -170,6 +184,7 @@ class SharedLog:
                     pending = (batch, len(out))
                     out.append(OutRecord(partition, draft.session_id.encode(), value, chain.next_seq, event_id))
                     fresh.append((chain, event_id))
+                    written.append((draft.session_id, draft.body, occurred_at.timestamp()))
                     chain.next_seq += 1
                     chain.last_hash = digest
                     chain.known[event_id] = pending
@@ -186,6 +201,8 @@ class SharedLog:
         batch.set_result(positions)
         for (chain, event_id), position in zip(fresh, positions, strict=True):
             chain.known[event_id] = position
+        if written and self.on_appended is not None:
+            self.on_appended(topic.name, written, time.perf_counter() - began)
         landed: list[Position] = []
         for r in results:
             if isinstance(r, Position):

@@ -25,7 +25,9 @@ Outcomes counted:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from pydantic import BaseModel
 
@@ -52,8 +54,6 @@ _RESOLVES_IN_DOUBT = (ev.ApprovalDecision.RETRY, ev.ApprovalDecision.MARK_DONE)
 class Observed:
     """Counters and the little state the gauges need, folded from events."""
 
-    events: Counter[tuple[str, str]] = field(default_factory=Counter)
-    """(topic, event type) -> events seen."""
     llm_calls: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -68,45 +68,69 @@ class Observed:
     """session -> (blocks pinned, when the pin ends; None: no TTL)."""
 
     def observe(self, topic: str, session_id: str, body: BaseModel, at: float) -> None:
-        kind = type(body)
-        self.events[(topic, kind.__name__)] += 1
-        if (status := _SESSION_STATUS.get(kind)) is not None:
-            # A late SessionRequested (ops is read beside actions) never moves a session back.
-            if status != "requested" or session_id not in self._status:
-                self._status[session_id] = status
-            return
-        if (outcome := _TOOL_OUTCOME.get(kind)) is not None:
-            self.tool_calls[outcome] += 1
-            call = (session_id, body.call_id)  # type: ignore[attr-defined]
-            if outcome in ("committed", "aborted"):
-                self._awaiting_verdict.pop(call, None)
-            elif outcome == "in_doubt":
-                self._in_doubt[call] = at
-            else:
-                self._in_doubt.pop(call, None)
-            return
-        if isinstance(body, ev.LLMCallCompleted):
-            self.llm_calls += 1
-            self.prompt_tokens += body.prompt_tokens
-            self.cached_tokens += body.cached_tokens
-            self.engine_ms["queue"] += body.queue_ms
-            self.engine_ms["prefill"] += body.prefill_ms
-            self.engine_ms["decode"] += body.decode_ms
-        elif isinstance(body, ev.ToolCallProposed):
-            self._awaiting_verdict.setdefault((session_id, body.call_id), at)
-        elif isinstance(body, ev.ToolCallStarted):
-            self._in_doubt.pop((session_id, body.call_id), None)  # a retry resolves it
-        elif isinstance(body, ev.ApprovalGiven) and body.decision in _RESOLVES_IN_DOUBT:
+        # One dict lookup per event: most of what a worker reads (KV events, tool starts of
+        # other kinds, ...) counts for nothing here and must cost next to nothing.
+        fold = _FOLDS.get(type(body))
+        if fold is not None:
+            fold(self, session_id, body, at)
+
+    def observe_at(self, topic: str, session_id: str, body: BaseModel, occurred_at: datetime) -> None:
+        """``observe`` with the envelope's time, converted only for the events that use it."""
+        fold = _FOLDS.get(type(body))
+        if fold is not None:
+            fold(self, session_id, body, occurred_at.timestamp())
+
+    def _session(self, session_id: str, body: BaseModel, at: float) -> None:
+        status = _SESSION_STATUS[type(body)]
+        # A late SessionRequested (ops is read beside actions) never moves a session back.
+        if status != "requested" or session_id not in self._status:
+            self._status[session_id] = status
+
+    def _tool_outcome(self, session_id: str, body: BaseModel, at: float) -> None:
+        outcome = _TOOL_OUTCOME[type(body)]
+        self.tool_calls[outcome] += 1
+        call = (session_id, body.call_id)  # type: ignore[attr-defined]
+        if outcome in ("committed", "aborted"):
+            self._awaiting_verdict.pop(call, None)
+        elif outcome == "in_doubt":
+            self._in_doubt[call] = at
+        else:
+            self._in_doubt.pop(call, None)
+
+    def _llm_completed(self, session_id: str, body: BaseModel, at: float) -> None:
+        assert isinstance(body, ev.LLMCallCompleted)
+        self.llm_calls += 1
+        self.prompt_tokens += body.prompt_tokens
+        self.cached_tokens += body.cached_tokens
+        self.engine_ms["queue"] += body.queue_ms
+        self.engine_ms["prefill"] += body.prefill_ms
+        self.engine_ms["decode"] += body.decode_ms
+
+    def _proposed(self, session_id: str, body: BaseModel, at: float) -> None:
+        assert isinstance(body, ev.ToolCallProposed)
+        self._awaiting_verdict.setdefault((session_id, body.call_id), at)
+
+    def _started(self, session_id: str, body: BaseModel, at: float) -> None:
+        assert isinstance(body, ev.ToolCallStarted)
+        self._in_doubt.pop((session_id, body.call_id), None)  # a retry resolves it
+
+    def _approval(self, session_id: str, body: BaseModel, at: float) -> None:
+        assert isinstance(body, ev.ApprovalGiven)
+        if body.decision in _RESOLVES_IN_DOUBT:
             self._in_doubt.pop((session_id, body.call_id), None)
-        elif isinstance(body, ev.CacheDecisionMade):
-            self.cache_decisions[body.action.value] += 1
-            if body.action in _PINS:
-                ends = at + body.ttl_ms / 1000 if body.ttl_ms is not None else None
-                self._pins[session_id] = (body.num_blocks, ends)
-            else:
-                self._pins.pop(session_id, None)
-        elif isinstance(body, ev.RecordDeadLettered):
-            self.dead_letters[body.error_type] += 1
+
+    def _cache_decision(self, session_id: str, body: BaseModel, at: float) -> None:
+        assert isinstance(body, ev.CacheDecisionMade)
+        self.cache_decisions[body.action.value] += 1
+        if body.action in _PINS:
+            ends = at + body.ttl_ms / 1000 if body.ttl_ms is not None else None
+            self._pins[session_id] = (body.num_blocks, ends)
+        else:
+            self._pins.pop(session_id, None)
+
+    def _dead_letter(self, session_id: str, body: BaseModel, at: float) -> None:
+        assert isinstance(body, ev.RecordDeadLettered)
+        self.dead_letters[body.error_type] += 1
 
     def sessions_by_status(self) -> Counter[str]:
         return Counter(self._status.values())
@@ -131,3 +155,17 @@ def _count_and_age(waiting: dict[tuple[str, str], float], now: float) -> tuple[i
     if not waiting:
         return 0, 0.0
     return len(waiting), max(0.0, now - min(waiting.values()))
+
+
+_Fold = Callable[[Observed, str, BaseModel, float], None]
+_FOLDS: dict[type[BaseModel], _Fold] = {
+    **dict.fromkeys(_SESSION_STATUS, Observed._session),
+    **dict.fromkeys(_TOOL_OUTCOME, Observed._tool_outcome),
+    ev.LLMCallCompleted: Observed._llm_completed,
+    ev.ToolCallProposed: Observed._proposed,
+    ev.ToolCallStarted: Observed._started,
+    ev.ApprovalGiven: Observed._approval,
+    ev.CacheDecisionMade: Observed._cache_decision,
+    ev.RecordDeadLettered: Observed._dead_letter,
+}
+"""What each event type moves (the others move nothing)."""

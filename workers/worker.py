@@ -50,6 +50,12 @@ bridge and the cache manager have their own.
 
 **Marks.** A role that can restart from partition marks (``workers/recovery.py``)
 saves them in ``flush``: the ones due while running, every one at the final commit.
+
+**Metrics** (``workers/metrics.py``, docs/metrics.md). With ``metrics`` set (``workers.main``
+does it for ``--metrics-port``), the loop feeds it every event it reads, the log tells it of
+every append (``SharedLog.on_appended``), a task alongside measures the consumer lag every
+``lag_every_s``, and ``/health`` answers 200 from the first poll until the worker stops.
+Without it, none of this costs anything.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ from typing import Any
 
 from log import LoggedEvent, SharedLog
 from log.consumer import EventConsumer
+from workers.metrics import WorkerMetrics
 
 __all__ = ["SESSION_EVENT_IDS", "EventIds", "Worker"]
 
@@ -115,6 +122,8 @@ class Worker:
     """Commit offsets after every poll (0) or at most this often."""
     max_records = 500
     """Records per poll."""
+    lag_every_s = 5.0
+    """With metrics: how often the consumer lag is measured (it asks the log for end offsets)."""
 
     def __init__(
         self,
@@ -136,6 +145,8 @@ class Worker:
         self._stopping = asyncio.Event()
         self._run_task: asyncio.Task[None] | None = None  # run() under ``async with``
         self._ran = False
+        self.metrics: WorkerMetrics | None = None
+        """Set before ``run()`` to serve this worker's metrics (see "Metrics")."""
 
     # ------------------------------------------------------------- for roles
 
@@ -272,9 +283,17 @@ class Worker:
             if self._stopping.is_set():
                 return  # shut down while preparing: nothing read, nothing to commit
             consumer = self.consumer = await self.open_consumer()
+            metrics = self.metrics
+            if metrics is not None:
+                metrics.reads = frozenset(self.topics)
+                self.alongside(self._measure_lag(consumer, metrics), name=f"{self.role}.lag")
             last_commit = time.monotonic()
             while not self._stopping.is_set():
                 events = await consumer.poll(timeout_s=self.poll_timeout_s, max_records=self.max_records)
+                if metrics is not None:
+                    metrics.consumed_events(events)
+                    if not metrics.healthy:
+                        metrics.set_health(True, status="live", group=self.group)
                 await self.handle(events)
                 if time.monotonic() - last_commit >= self.commit_every_s:
                     await self.flush(final=False)
@@ -285,12 +304,28 @@ class Worker:
             await self.flush(final=True)
             await consumer.commit()
         finally:
+            if self.metrics is not None:
+                self.metrics.set_health(False, status="stopped", group=self.group)
             for task in list(self._alongside):
                 task.cancel()
             await asyncio.gather(*self._alongside, return_exceptions=True)
             if consumer is not None:
                 await consumer.close()
             await self.closed()
+
+    async def _measure_lag(self, consumer: EventConsumer, metrics: WorkerMetrics) -> None:
+        """Every ``lag_every_s``: records between this member's position and each owned partition's end."""
+        while await self.until(asyncio.sleep(self.lag_every_s)):
+            assigned = consumer.assignment()
+            for topic in sorted({t for t, _ in assigned}):
+                try:
+                    ends = await self.log.end_offsets(topic)
+                except Exception as e:  # a metric must never stop the worker: the next round retries
+                    _log.debug("%s: lag of %s not measured (%s)", self.role, topic, type(e).__name__)
+                    continue
+                for t, partition in assigned:
+                    if t == topic:
+                        metrics.lag(topic, partition, max(0, ends.get(partition, 0) - consumer.position(t, partition)))
 
     async def closed(self) -> None:
         """Last in ``run()``, also after an error: forget what only one run holds (tasks not awaited)."""

@@ -128,8 +128,31 @@ def _wait_finished(stack: Compose, ids: set[str], deadline_s: float = 180) -> di
     raise AssertionError(f"sessions did not finish in {deadline_s:g} s: {rows}")
 
 
+WORKERS = ("planner", "decider", "executor", "cache-manager", "engine-bridge")
+
+
+def _health(stack: Compose, service: str) -> str:
+    inspected = subprocess.run(
+        [DOCKER, "inspect", "--format", "{{.State.Health.Status}}", stack.container(service)],
+        capture_output=True,
+        text=True,
+    )
+    return inspected.stdout.strip()
+
+
+def _metrics(stack: Compose, service: str) -> str:
+    """The worker's /metrics, read inside its container (the port is not published)."""
+    script = "import urllib.request; print(urllib.request.urlopen('http://localhost:9100/metrics').read().decode())"
+    return stack("exec", "-T", service, "python3", "-c", script).stdout
+
+
 def test_the_stack_runs_sessions_survives_worker_kills_and_pays_once(compose: Compose) -> None:
     stack = compose
+    # Every worker reports itself healthy once it polls the log (its compose healthcheck).
+    deadline = time.monotonic() + 180
+    while (health := {s: _health(stack, s) for s in WORKERS}) != dict.fromkeys(WORKERS, "healthy"):
+        assert time.monotonic() < deadline, f"workers not healthy: {health}"
+        time.sleep(2)
     ran = json.loads(
         stack.logctl(
             "run", "script", "-n", "3", "--prefix", "ok", "--timeout", "120", "--json", "--args", json.dumps(ECHO)
@@ -138,6 +161,10 @@ def test_the_stack_runs_sessions_survives_worker_kills_and_pays_once(compose: Co
         .splitlines()[-1]
     )
     assert ran["finished"] == 3 and ran["llm_calls"] == 6 and ran["tool_calls"] == 3
+    deadline = time.monotonic() + 60
+    while 'agentlog_sessions{status="finished"} 3.0' not in (planner_metrics := _metrics(stack, "planner")):
+        assert time.monotonic() < deadline, planner_metrics
+        time.sleep(1)
 
     stack.logctl("run", "script", "-n", "1", "--prefix", "pay", "--no-wait", "--args", json.dumps(PAYMENT))
     stack.logctl("run", "script", "-n", "2", "--prefix", "more", "--no-wait", "--args", json.dumps(ECHO))
