@@ -176,6 +176,8 @@ class Stack:
             process = self._process(name, "workers.cache_manager", list(self.cache_manager_args), env)
         elif name.startswith("planner"):
             process = self._process(name, "workers.planner", ["--engine-url", self.engine_url], env)
+        elif name == "decider":  # the llm_judge voter asks the same engine
+            process = self._process(name, "workers.decider", ["--engine-url", self.engine_url], env)
         elif name == "executor":
             process = self._process(name, "workers.executor", ["--sandbox", str(self.work_dir / "sandbox")], env)
         else:
