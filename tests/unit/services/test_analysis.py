@@ -1,0 +1,189 @@
+"""logctl analyze's fold and report, on workloads whose numbers are known by construction.
+
+Every time and token count is chosen so that the shares are exact binary fractions: the
+report must give them exactly, not approximately.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from pydantic import BaseModel
+
+from schemas import events as ev
+from services.analysis import (
+    CallSpan,
+    GapSpan,
+    SessionEnd,
+    Timeline,
+    TimelineFold,
+    VerdictAnswer,
+    analyze,
+    fold_timelines,
+    from_trace,
+)
+from services.engine.cost import CostModel
+from services.traces import Trace, TraceSession, TraceTurn
+
+
+def _started(call_id: str, turn: int, prompt: int) -> ev.LLMCallStarted:
+    return ev.LLMCallStarted(
+        call_id=call_id, turn=turn, engine_id="sim-0", prompt_tokens=prompt, max_output_tokens=128, prompt_digest="d"
+    )
+
+
+def _completed(
+    call_id: str, prompt: int, cached: int, queue: float, prefill: float, decode: float
+) -> ev.LLMCallCompleted:
+    return ev.LLMCallCompleted(
+        call_id=call_id, engine_id="sim-0", prompt_tokens=prompt, cached_tokens=cached, output_tokens=128,
+        output_text="", finish_reason="length", queue_ms=queue, prefill_ms=prefill, decode_ms=decode,
+    )  # fmt: skip
+
+
+def _proposed(call_id: str, tool: str) -> ev.ToolCallProposed:
+    return ev.ToolCallProposed(
+        call_id=call_id, tool=tool, arguments_json="{}", effect_class=ev.EffectClass.PURE, idempotency_key=call_id
+    )
+
+
+Event = tuple[str, str, BaseModel, float]
+
+
+def _workload() -> list[Event]:
+    """Two sessions of 8 s each (16 s of job time).
+
+    - ``a``: LLM call [0, 1] (prompt 512, nothing cached, 128 out), waits on ``search`` [1, 7],
+      LLM call [7, 8] (prompt 1536, 512 cached of the 640 it could reuse: 128 recomputed;
+      engine 500 ms prefill + 500 ms decode, so 0.5 s of prefill on 1024 computed tokens);
+    - ``b``: LLM call [0, 2] that queued 1,000 of its 2,000 engine ms (1 s behind ``a``), waits
+      on ``sleep`` [2, 4], LLM call [4, 6] with all 640 tokens it could reuse cached, then 2 s
+      of planner time until it finishes at 8.
+
+    So: gaps 8 of 16 s (0.5; search 0.375, sleep 0.125), hit rate 1152 of 4096 prompt tokens
+    (a 512 of 2048, b 640 of 2048), 128 tokens recomputed (oracle hit rate 0.3125),
+    head-of-line 1 s (0.0625), and the oracle saves 0.5 s * 128 / 1024 = 0.0625 s.
+    """
+    sid = "a"
+    events: list[tuple[str, BaseModel, float]] = [
+        (sid, ev.SessionRequested(program="trace", args_json="{}", author="t"), 0.0),
+        (sid, ev.SessionStarted(program="trace", args_json="{}"), 0.0),
+        (sid, _started("llm-0", 0, 512), 0.0),
+        (sid, _completed("llm-0", 512, 0, 0.0, 500.0, 500.0), 1.0),
+        (sid, _proposed("tool-1", "search"), 1.0),
+        (sid, ev.ToolCallCompleted(call_id="tool-1", result_json="{}", result_tokens=896, duration_ms=5900.0), 6.9),
+        (sid, _started("llm-2", 1, 1536), 7.0),
+        (sid, _completed("llm-2", 1536, 512, 0.0, 500.0, 500.0), 8.0),
+        (sid, ev.SessionFinished(output_json="{}", num_llm_calls=2, num_tool_calls=1), 8.0),
+    ]
+    sid = "b"
+    events += [
+        (sid, ev.SessionRequested(program="trace", args_json="{}", author="t"), 0.0),
+        (sid, ev.SessionStarted(program="trace", args_json="{}"), 0.25),
+        (sid, _started("llm-0", 0, 512), 0.0),
+        (sid, _completed("llm-0", 512, 0, 1000.0, 500.0, 500.0), 2.0),
+        (sid, _proposed("tool-1", "sleep"), 2.0),
+        (sid, _started("llm-2", 1, 1536), 4.0),
+        (sid, _completed("llm-2", 1536, 640, 0.0, 1000.0, 1000.0), 6.0),
+        (sid, ev.SessionFinished(output_json="{}", num_llm_calls=2, num_tool_calls=1), 8.0),
+    ]
+    return [(s, f"{s}-{i}", body, at) for i, (s, body, at) in enumerate(events)]
+
+
+def test_the_report_gives_the_constructed_gap_share_and_hit_rate_exactly() -> None:
+    report = analyze(fold_timelines(_workload()), "synthetic")
+    assert (report.sessions, report.unfinished, report.llm_calls, report.tool_gaps) == (2, 0, 4, 2)
+    assert report.job_s == 16.0 and report.gap_s == 8.0 and report.gap_share == 0.5
+    assert [(t.tool, t.gap_s, t.gap_share, t.gaps.count) for t in report.tools] == [
+        ("search", 6.0, 0.375, 1),
+        ("sleep", 2.0, 0.125, 1),
+    ]
+    assert (report.gaps.p50, report.gaps.max, report.gaps.mean) == (4.0, 6.0, 4.0)
+    assert (report.prompt_tokens, report.cached_tokens, report.computed_tokens) == (4096, 1152, 2944)
+    assert report.hit_rate == 1152 / 4096 == 0.28125
+    assert report.recomputed_tokens == 128 and report.oracle_hit_rate == 1280 / 4096 == 0.3125
+    assert (report.queue_s, report.queue_share, report.calls_queued) == (1.0, 0.0625, 1)
+    assert report.oracle_saved_s == 0.0625 and report.oracle_share == 0.0625 / 16
+    assert report.oracle_upper_s == 1.0625
+    by_session = {s.session_id: s for s in report.session_reports}
+    assert (by_session["a"].gap_share, by_session["a"].hit_rate, by_session["a"].recomputed_tokens) == (0.75, 0.25, 128)
+    assert (by_session["b"].gap_share, by_session["b"].hit_rate, by_session["b"].queue_s) == (0.25, 0.3125, 1.0)
+    assert [(u.turn, u.calls, u.prompt_tokens, u.cached_tokens, u.recomputed_tokens) for u in report.turns] == [
+        (0, 2, 1024, 0, 0),
+        (1, 2, 3072, 1152, 128),
+    ]
+    assert report.turns[1].hit_rate == 0.375 and report.turns[1].oracle_hit_rate == 1280 / 3072
+
+
+def test_the_fold_ignores_event_order_and_duplicates() -> None:
+    events = _workload()
+    shuffled = events + events[3:9]  # redelivered events: same ids
+    random.Random(7).shuffle(shuffled)
+    assert analyze(fold_timelines(shuffled), "synthetic") == analyze(fold_timelines(events), "synthetic")
+
+
+def test_an_unfinished_session_ends_at_its_last_event_and_an_open_call_is_not_counted() -> None:
+    fold = TimelineFold()
+    fold.observe("u", "1", ev.SessionStarted(program="p", args_json="{}"), 10.0)
+    fold.observe("u", "2", _started("llm-0", 0, 100), 10.0)
+    fold.observe("u", "3", _completed("llm-0", 100, 0, 0.0, 1.0, 1.0), 11.0)
+    fold.observe("u", "4", _proposed("tool-1", "human"), 11.0)
+    fold.observe("u", "5", ev.ToolCallStarted(call_id="tool-1", tool="human", idempotency_key="k", attempt=1), 12.0)
+    fold.observe("u", "6", _started("llm-2", 1, 300), 14.0)
+    fold.observe("orphan", "7", ev.ToolCallStarted(call_id="x", tool="t", idempotency_key="k", attempt=1), 1.0)
+    (timeline,) = fold.timelines()  # a session never requested nor started is not a session
+    assert timeline.end is SessionEnd.UNFINISHED and timeline.job_s == 4.0
+    assert [c.call_id for c in timeline.calls] == ["llm-0"]
+    assert [(g.tool, g.duration_s) for g in timeline.gaps] == [("human", 3.0)]
+    assert analyze([timeline], "x").unfinished == 1
+
+
+def test_a_trace_is_laid_out_alone_on_the_cost_model_clock() -> None:
+    # 1 ms per prefilled token, 10 ms per output token, nothing else: every duration is exact.
+    cost = CostModel(
+        call_overhead_ms=0.0, prefill_attention_ms_per_token_pair=0.0, prefill_ms_per_token=1.0,
+        decode_ms_per_token=10.0, hbm_bytes_per_s=float("inf"),
+    )  # fmt: skip
+    turns = (
+        TraceTurn(500, 50, "search", 6.0, 450),  # call: 0.5 + 0.5 s
+        TraceTurn(0, 100, None, None, None),  # call: prompt 1000 (all reusable but the 450 result) = 1 + 1 s
+    )
+    trace = Trace((TraceSession("s", "test", 2.0, turns),))
+    (timeline,) = from_trace(trace, cost)
+    assert (timeline.began_at, timeline.ended_at, timeline.job_s) == (2.0, 11.0, 9.0)
+    assert [(c.prompt_tokens, c.cached_tokens, c.reusable_tokens, c.duration_s) for c in timeline.calls] == [
+        (500, 0, 0, 1.0),
+        (1000, 0, 550, 2.0),
+    ]
+    report = analyze([timeline], "trace")
+    assert report.gap_share == 6.0 / 9.0 and report.hit_rate == 0.0 and report.recomputed_tokens == 550
+    assert report.oracle_saved_s == 0.55 and report.queue_s == 0.0
+
+
+def _timeline(job_s: float, gap_s: float, prefill_s: float, recomputed: int, queue_s: float = 0.0) -> Timeline:
+    # One call that prefilled 1000 tokens, ``recomputed`` of which the session had computed before.
+    call = CallSpan("llm-1", 1, 0.0, prefill_s + queue_s, 1000, 0, 10, recomputed, queue_s, prefill_s)
+    return Timeline("s", "p", SessionEnd.FINISHED, 0.0, job_s, (call,), (GapSpan("tool-0", "t", 0.0, gap_s),))
+
+
+@pytest.mark.parametrize(
+    ("timeline", "answer"),
+    [
+        (_timeline(10.0, 8.0, 2.0, 500), VerdictAnswer.WORTH_IT),  # saves 1 s of 10: 10%
+        (_timeline(10.0, 8.0, 2.0, 400), VerdictAnswer.MARGINAL),  # 0.8 s: 8%
+        (_timeline(100.0, 97.0, 1.0, 100, queue_s=2.0), VerdictAnswer.MARGINAL),  # 0.1 s, 2.1 s with the queue
+        (_timeline(100.0, 99.0, 1.0, 100), VerdictAnswer.NOT_WORTH_IT),  # 0.1 s of 100: 0.1%
+    ],
+)
+def test_the_verdict_follows_the_documented_thresholds(timeline: Timeline, answer: VerdictAnswer) -> None:
+    verdict = analyze([timeline], "x").verdict
+    assert verdict.answer is answer
+    assert answer.value.upper() in verdict.line and "of job time" in verdict.line
+
+
+def test_no_job_time_is_not_worth_a_policy_and_says_why() -> None:
+    empty = Timeline("s", "p", SessionEnd.FINISHED, 5.0, 5.0, (), ())
+    report = analyze([empty], "x")
+    assert report.verdict.answer is VerdictAnswer.NOT_WORTH_IT and math.isnan(report.gap_share)
