@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from cli import agents, audit, branches
+from cli import agents, analyze, audit, branches
 from cli.common import Json, LogUrl, init_log
 from cli.errors import OneLineErrors
 from cli.render import event_line, event_to_json, to_json
@@ -37,6 +37,7 @@ logging.basicConfig(level=logging.WARNING, format="logctl: %(levelname)s: %(mess
 logging.getLogger("kafka").setLevel(logging.CRITICAL)
 agents.register(app)
 branches.register(app)
+analyze.register(app)
 app.command()(audit.verify)
 app.command()(audit.audit)
 app.add_typer(trace_app, name="trace", help="Import, generate and describe agent traces (docs/trace-format.md).")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -64,18 +64,31 @@ class SessionBook:
 async def read_sessions(log: SharedLog, *, group: str, idle_polls: int = 2) -> SessionBook:
     """Fold every session in the log (reads until the log is quiet)."""
     book = SessionBook()
-    async with log.consumer(group, SESSION_TOPICS, from_beginning=True) as consumer:
-        ends = {t: sum((await log.end_offsets(t)).values()) for t in SESSION_TOPICS}
+    await read_log(log, book.add_all, group=group, idle_polls=idle_polls)
+    return book
+
+
+async def read_log(
+    log: SharedLog,
+    sink: Callable[[list[LoggedEvent]], None],
+    *,
+    group: str,
+    topics: tuple[str, ...] = SESSION_TOPICS,
+    idle_polls: int = 2,
+) -> None:
+    """Hand every verified event of ``topics`` to ``sink``, in polled batches, from the first
+    record until the end offsets seen at the start are read and the log is quiet."""
+    async with log.consumer(group, topics, from_beginning=True) as consumer:
+        ends = {t: sum((await log.end_offsets(t)).values()) for t in topics}
         seen = 0
         quiet = 0
         while quiet < idle_polls or seen < sum(ends.values()) - consumer.stats.num_dead_lettered:
             events = await consumer.poll(timeout_s=0.3, max_records=5000)
             seen += len(events)
-            book.add_all(events)
+            sink(events)
             quiet = 0 if events else quiet + 1
             if quiet >= 10:
                 break
-    return book
 
 
 def percentile(values: list[float], p: float) -> float:
