@@ -67,7 +67,7 @@ def analyze_command(
         source = f"trace {trace.name} ({fmt.value}; times from the cost model, each session alone)"
     else:
         timelines = asyncio.run(_read_log(log_url))
-        source = f"log {redact(log_url)}" if log_url else "the embedded log"
+        source = f"the log {redact(log_url)}" if log_url else "the embedded log"
     if not timelines:
         where = f"trace {trace}" if trace is not None else source
         raise CliError(f"no sessions in {where}: nothing to analyze (logctl demo or logctl run makes some)")
@@ -100,11 +100,11 @@ def _read_trace(path: Path, fmt: TraceFormat, arrival_rate: float, seed: int) ->
             return from_infercept(data, arrival_rate_per_s=arrival_rate, rng=rng)
         return from_continuum(data, arrival_rate_per_s=arrival_rate, rng=rng)
     except json.JSONDecodeError as e:
-        raise CliError(f"{path}: not a {fmt.value} trace: not JSON: {e}", BAD_INPUT) from None
+        raise CliError(f"{path}: not a valid {fmt.value} trace: not JSON: {e}", BAD_INPUT) from None
     except UnicodeDecodeError:
-        raise CliError(f"{path}: not a {fmt.value} trace: not UTF-8 text", BAD_INPUT) from None
+        raise CliError(f"{path}: not a valid {fmt.value} trace: not UTF-8 text", BAD_INPUT) from None
     except (TraceFormatError, ValueError, KeyError, TypeError) as e:
-        raise CliError(f"{path}: not a {fmt.value} trace: {e} (--format names the format)", BAD_INPUT) from None
+        raise CliError(f"{path}: not a valid {fmt.value} trace: {e} (--format names the format)", BAD_INPUT) from None
 
 
 async def _read_log(log_url: str | None) -> list[Timeline]:
