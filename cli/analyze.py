@@ -123,6 +123,8 @@ def _s(value: float) -> str:
     """Seconds for people: three significant digits, thousands separated, '-' for none."""
     if math.isnan(value):
         return "-"
+    if abs(value) < 1e-6:  # float residue of a difference (job - calls - gaps), not a duration
+        return "0"
     return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
 
 
