@@ -20,6 +20,7 @@ import typer
 from cli import agents, analyze, audit, branches
 from cli.common import Json, LogUrl, init_log
 from cli.errors import OneLineErrors
+from cli.projector import app as projector_app
 from cli.render import event_line, event_to_json, to_json
 from cli.traces import app as trace_app
 from log import TOPICS, open_log
@@ -41,6 +42,7 @@ analyze.register(app)
 app.command()(audit.verify)
 app.command()(audit.audit)
 app.add_typer(trace_app, name="trace", help="Import, generate and describe agent traces (docs/trace-format.md).")
+app.add_typer(projector_app, name="projector", help="The projector's Postgres read model (docs/projector.md).")
 
 
 def _print_version(value: bool) -> None:

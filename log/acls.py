@@ -109,7 +109,8 @@ ROLES: tuple[Role, ...] = (
     # One bridge per engine instance, each in its own group (``engine-bridge.<engine id>``): every
     # bridge must see every decision and apply those for its engine.
     Role("engine-bridge", (_KV_DECISIONS, _KV_EVENTS), group_prefixes=("engine-bridge",)),
-    Role("projector", ALL_TOPICS, groups=("projector",)),
+    # ``logctl projector rebuild`` reads in a group of its own (``projector-rebuild-<id>``).
+    Role("projector", ALL_TOPICS, groups=("projector",), group_prefixes=("projector-",)),
     Role("operator", ALL_TOPICS, group_prefixes=("operator", LOGCTL_GROUP_PREFIX)),
     Role("auditor", ALL_TOPICS, group_prefixes=("auditor", LOGCTL_GROUP_PREFIX), read_only=True),
 )
