@@ -1,10 +1,11 @@
 """The projector's contract: its read model is a pure function of the log.
 
-A log with sessions, LLM and tool calls, votes, retries, approvals, KV decisions, cache hits
-and checkpoints (and one record Postgres refuses) is projected live by a projector process
-that is SIGKILLed mid-transaction and after commits and restarted; the model it ends with
-must equal a rebuild from offset 0 (``logctl projector rebuild``), row for row, and hold
-exactly the rows the log implies: nothing counted twice, nothing skipped.
+On the Postgres log and on Kafka (the model in Postgres), a log with sessions, LLM and tool
+calls, votes, retries, approvals, KV decisions, cache hits and checkpoints (and one record
+Postgres refuses) is projected live by a projector process that is SIGKILLed mid-transaction
+and after commits and restarted; the model it ends with must equal a rebuild from offset 0
+(``logctl projector rebuild``), row for row, and hold exactly the rows the log implies:
+nothing counted twice, nothing skipped.
 """
 
 from __future__ import annotations
@@ -107,9 +108,21 @@ async def _dead_letters(url: str, namespace: str) -> list[ev.RecordDeadLettered]
         return found
 
 
-def test_the_read_model_after_crashes_equals_a_rebuild_from_offset_0(pg_url: str, namespace: str) -> None:
-    asyncio.run(_write_log(pg_url, namespace))
-    env = {**os.environ, "AGENTLOG_LOG_URL": pg_url, "AGENTLOG_NAMESPACE": namespace, "AGENTLOG_READ_MODEL_URL": pg_url}
+@pytest.fixture(params=["postgres", "kafka"])
+def log_url(request: pytest.FixtureRequest, pg_url: str) -> str:
+    if request.param == "postgres":
+        return pg_url
+    return f"kafka://{request.getfixturevalue('kafka_bootstrap')}"
+
+
+def test_the_read_model_after_crashes_equals_a_rebuild_from_offset_0(log_url: str, pg_url: str, namespace: str) -> None:
+    asyncio.run(_write_log(log_url, namespace))
+    env = {
+        **os.environ,
+        "AGENTLOG_LOG_URL": log_url,
+        "AGENTLOG_NAMESPACE": namespace,
+        "AGENTLOG_READ_MODEL_URL": pg_url,
+    }
     env.pop("AGENTLOG_CRASH_AT", None)
     for crash_at in ("projector.mid_transaction:3", "projector.after_commit:2", "projector.mid_transaction:4"):
         killed = _projector(env, crash_at)
@@ -138,6 +151,6 @@ def test_the_read_model_after_crashes_equals_a_rebuild_from_offset_0(pg_url: str
 
     # The record it could not project is in the DLQ with Postgres's reason (once per projection
     # that met it: the live run's and the rebuild's).
-    letters = [d for d in asyncio.run(_dead_letters(pg_url, namespace)) if d.error_type == "Unprojectable"]
+    letters = [d for d in asyncio.run(_dead_letters(log_url, namespace)) if d.error_type == "Unprojectable"]
     assert len(letters) >= 2 and all(d.source_topic == "ops.commands" for d in letters)
     assert all("0x00" in d.reason or "\\u0000" in d.reason or "NUL" in d.reason.upper() for d in letters), letters
