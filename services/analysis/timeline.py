@@ -35,6 +35,7 @@ says what keeping the context would have saved against that baseline.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -221,8 +222,8 @@ def _timeline(session_id: str, s: _Session) -> Timeline:
     starts = sorted([c.started_at for c in s.calls.values() if c.turn >= 0] + [at for _, at in s.proposals.values()])
     gaps: list[GapSpan] = []
     for call_id, (tool, at) in sorted(s.proposals.items(), key=lambda item: (item[1][1], item[0])):
-        following = [t for t in starts if t > at]
-        until = min(following) if following else max(ended, at)
+        following = bisect.bisect_right(starts, at)  # the first step that begins after this proposal
+        until = starts[following] if following < len(starts) else max(ended, at)
         gaps.append(GapSpan(call_id, tool, at, until - at))
     return Timeline(session_id, s.program, s.end, began, max(ended, began), tuple(calls), tuple(gaps))
 
