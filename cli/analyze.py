@@ -146,7 +146,8 @@ def text_report(r: WorkloadReport, top: int = 10) -> list[str]:
         f"tool gaps     p50 {_s(g.p50)} s, p90 {_s(g.p90)} s, p99 {_s(g.p99)} s, max {_s(g.max)} s",
         f"KV cache      {_pct(r.hit_rate)} of {r.prompt_tokens:,} prompt tokens served from the cache; "
         f"{r.recomputed_tokens:,} recomputed (oracle hit rate {_pct(r.oracle_hit_rate)})",
-        f"head-of-line  {_s(r.queue_s)} s queued ({_pct(r.queue_share)} of job time); {r.calls_queued} of "
+        f"head-of-line  {_s(r.queue_s)} s queued ({_pct(r.queue_share)} of job time; the engines recorded "
+        f"{r.queue_ms_recorded:,.0f} ms in their own clock); {r.calls_queued} of "
         f"{r.llm_calls} calls waited"
         + (f": p50 {_s(q.p50)} s, p90 {_s(q.p90)} s, max {_s(q.max)} s" if q.count else ""),
         f"oracle bound  {_s(r.oracle_saved_s)} s of recomputed prefill ({_pct(r.oracle_share)} of job time); "

@@ -153,6 +153,8 @@ class WorkloadReport:
     prefill_s: float
     queue_s: float
     queue_share: float
+    queue_ms_recorded: float
+    """The engines' ``queue_ms`` summed as recorded (their own clock; ``queue_s`` is it in log time)."""
     calls_queued: int
     queue_waits: Distribution
     """Seconds each call that waited at all waited."""
@@ -264,6 +266,7 @@ def analyze(timelines: Sequence[Timeline], source: str) -> WorkloadReport:
         prefill_s=sum(c.prefill_s for c in calls),
         queue_s=queue,
         queue_share=queue_share,
+        queue_ms_recorded=sum(c.queue_ms_recorded for c in calls),
         calls_queued=len(waits),
         queue_waits=Distribution.of(waits),
         oracle_saved_s=saved,

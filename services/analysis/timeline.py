@@ -72,6 +72,8 @@ class CallSpan:
     """Prompt tokens the session had computed before this call (previous prompt + output)."""
     queue_s: float
     prefill_s: float
+    queue_ms_recorded: float = 0.0
+    """The engine's ``queue_ms`` as recorded, in the engine's clock (0 from a trace)."""
 
     @property
     def computed_tokens(self) -> int:
@@ -215,6 +217,7 @@ def _timeline(session_id: str, s: _Session) -> Timeline:
             reusable_tokens=min(reusable, done.prompt_tokens),
             queue_s=to_log(done.queue_ms),
             prefill_s=to_log(done.prefill_ms),
+            queue_ms_recorded=done.queue_ms,
         )
         calls.append(span)
         previous = span

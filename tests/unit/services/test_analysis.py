@@ -41,6 +41,7 @@ def test_the_report_gives_the_constructed_gap_share_and_hit_rate_exactly() -> No
     assert report.hit_rate == 1152 / 4096 == 0.28125
     assert report.recomputed_tokens == 128 and report.oracle_hit_rate == 1280 / 4096 == 0.3125
     assert (report.queue_s, report.queue_share, report.calls_queued) == (1.0, 0.0625, 1)
+    assert report.queue_ms_recorded == 1000.0  # b's first call, in the engine's clock
     assert report.oracle_saved_s == 0.0625 and report.oracle_share == 0.0625 / 16
     assert report.oracle_upper_s == 1.0625
     by_session = {s.session_id: s for s in report.session_reports}
