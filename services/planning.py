@@ -40,6 +40,7 @@ from services.programs.base import (
     Finish,
     Fork,
     LLMResult,
+    ModelToolCall,
     NonDeterminism,
     Program,
     ProgramView,
@@ -82,6 +83,10 @@ class CallEngine:
     max_output_tokens: int
     resume: bool
     """True when LLMCallStarted is already in the log (only the output is missing)."""
+    messages: tuple[dict[str, Any], ...] = ()
+    """The chat messages the prompt renders (SDK programs): what a chat engine is sent."""
+    tools: tuple[dict[str, Any], ...] = ()
+    """The tools offered with the messages (OpenAI function specs)."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,7 @@ def recorded_results(state: SessionState) -> tuple[list[Result], Step | None]:
                     step.completed.prompt_tokens,
                     step.completed.output_tokens,
                     step.started.prompt_digest,
+                    ModelToolCall.list_from_json(step.completed.tool_calls_json),
                 )
             )
         elif isinstance(step, PlannerStep):
@@ -314,6 +320,8 @@ def next_move(
                 prompt_digest(action.prompt),
                 action.max_output_tokens,
                 resume=False,
+                messages=action.messages,
+                tools=action.tools,
             )
         case CallTool():
             call_id = tool_call_id(step, generation)
@@ -402,6 +410,8 @@ def _resume(state: SessionState, pending: Step, action: Any, step: int) -> Move:
             pending.started.prompt_digest,
             action.max_output_tokens,
             resume=True,
+            messages=action.messages,
+            tools=action.tools,
         )
     same = (
         isinstance(action, CallTool)

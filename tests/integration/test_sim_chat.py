@@ -8,6 +8,7 @@ also after a restart, and is not computed again), and bad bodies (OpenAI's error
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -23,6 +24,12 @@ import openai
 import pytest
 
 from cli.stack import Process, free_port
+from services.programs.base import Prompt, TokenRun
+from services.programs.sdk import render_messages
+from workers.engines.base import EngineError
+from workers.engines.chat import ChatEngine
+from workers.engines.factory import create_engine
+from workers.engines.sim_server import text_token_ids
 
 pytestmark = [pytest.mark.integration]
 
@@ -55,7 +62,7 @@ BOOK = {
 
 
 class Engine:
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
@@ -63,7 +70,7 @@ class Engine:
             "engine",
             [sys.executable, "-m", "workers.engines.sim_server", "--port", str(self.port),
              "--state-dir", str(work / "engine"), "--engine-id", "sim-chat", "--block-size", "4",
-             "--gpu-blocks", "256", "--time-scale", "0.001", "--model", "sim-model"],
+             "--gpu-blocks", "256", "--time-scale", "0.001", "--model", "sim-model", *extra],
             env, work / "engine.log",
         )  # fmt: skip
 
@@ -325,3 +332,51 @@ def test_bad_bodies_get_openais_error_shape_and_change_nothing(engine: Engine) -
     reused = {"model": "sim-model", "messages": USER, "request_id": "c/0"}
     status, answer = engine.post("/v1/chat/completions", json.dumps(reused).encode())
     assert (status, answer["error"]["code"]) == (409, "request_id_reused")
+
+
+def test_the_planners_chat_engine_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ChatEngine`` (``--engine-kind openai``) against the sim engine with an API key."""
+    rig = Engine(tmp_path, "--api-key", "k-secret-1").start()
+    monkeypatch.setenv("AGENTLOG_ENGINE_MODEL", "sim-model")
+    monkeypatch.setenv("AGENTLOG_ENGINE_API_KEY", "k-secret-1")
+    messages = [{"role": "user", "content": "what is the weather"}]
+
+    async def body() -> None:
+        engine = create_engine(f"{rig.url}/v1", engine_id="chat-0", kind="openai")
+        assert isinstance(engine, ChatEngine) and "k-secret-1" not in repr(engine)
+        wrong = ChatEngine(rig.url, engine_id="chat-0", model="sim-model", api_key="k-wrong")
+        try:
+            call = {"session_id": "s", "request_id": "s/llm-0", "prompt": Prompt(text="rendered"),
+                    "max_output_tokens": 6, "messages": messages, "tools": [WEATHER]}  # fmt: skip
+            first = await engine.complete(**call)  # type: ignore[attr-defined]
+            assert first.finish_reason == "tool_calls" and first.text == "" and first.output_tokens == 6
+            [tool_call] = first.tool_calls
+            assert tool_call.name == "get_weather" and tool_call.id.startswith("call_")
+            jsonschema.validate(json.loads(tool_call.arguments), WEATHER["function"]["parameters"])  # type: ignore[index]
+            # The messages and tools were sent (not the prompt text): the engine counted their rendering.
+            assert first.prompt_tokens == len(text_token_ids(render_messages(messages, [WEATHER])))
+            assert not first.replayed
+            again = await engine.complete(**call)  # type: ignore[attr-defined]
+            assert again.replayed and again.tool_calls == first.tool_calls
+            # A text prompt without messages (react, the LLM judge) is one user message.
+            text = await engine.complete(session_id="s", request_id="s/llm-1", prompt=Prompt(text="a b c"),
+                                         max_output_tokens=2)  # fmt: skip
+            assert text.text.startswith("simulated answer") and text.tool_calls == () and text.prompt_tokens == 5
+            with pytest.raises(EngineError, match="token runs"):
+                await engine.complete(session_id="s", request_id="s/llm-2", prompt=Prompt((TokenRun("x", 4),)),
+                                      max_output_tokens=2)  # fmt: skip
+            with pytest.raises(EngineError, match="401") as refused:
+                await wrong.complete(**call)  # type: ignore[attr-defined]
+            assert "k-wrong" not in str(refused.value)
+        finally:
+            await engine.close()
+            await wrong.close()
+        stats = rig.get("/stats")
+        assert (stats["num_served"], stats["num_replayed"]) == (2, 1)
+        session_hits = [e for b in rig.get("/kv_events?after=0")["batches"] for e in b["events"] if e["kind"] == "hit"]
+        assert {h["session_id"] for h in session_hits} == {"s"}  # the session id reached the engine
+
+    try:
+        asyncio.run(body())
+    finally:
+        rig.process.stop()

@@ -15,8 +15,8 @@ turn hits its cached prefix. What the model says (text or tool calls, determinis
 in the request's content, malformed calls on request) is ``services.engine.chat``'s.
 Errors have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400
 for a bad body, 404 for a model this engine does not serve (``--model``, listed by
-``GET /v1/models``). A stream's last chunk before ``[DONE]`` carries the ``agentlog``
-timings.
+``GET /v1/models``), 401 without the key when ``--api-key`` is set. A stream's last
+chunk before ``[DONE]`` carries the ``agentlog`` timings.
 
 **KV events** come in numbered batches, like vLLM's ZMQ stream: one batch per engine
 step (a call, or a control command), ``seq`` gapless from 1 within an ``epoch`` (a
@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -123,10 +124,12 @@ class SimServer:
         time_scale: float,
         kv_buffer: int = 10_000,
         model: str = "sim",
+        api_key: str | None = None,
     ) -> None:
         self.engine = engine
         self.engine_id = engine_id
         self.model = model  # the served model name (a request may name it or the engine id)
+        self._api_key = api_key  # like vLLM's --api-key: required on /v1/ when set
         self.time_scale = time_scale
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -410,8 +413,18 @@ class SimServer:
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self._api_key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self._api_key}".encode()):
+                error = ChatRequestError("incorrect API key", status=401, code="invalid_api_key")
+                return web.json_response(error_json(error), status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._check_key])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -429,6 +442,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--state-dir", type=Path, required=True, help="where the record of served requests lives")
     parser.add_argument("--engine-id", default="sim-0")
     parser.add_argument("--model", default="sim", help="the served model name (GET /v1/models)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("AGENTLOG_SIM_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on /v1/ (default AGENTLOG_SIM_API_KEY; none: no key)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-blocks", type=int, default=8192, help="KV cache capacity in blocks")
     parser.add_argument("--host-blocks", type=int, default=0)
@@ -445,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
         time_scale=args.time_scale,
         kv_buffer=args.kv_buffer,
         model=args.model,
+        api_key=args.api_key,
     )
     web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True, access_log=None)
 
