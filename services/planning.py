@@ -87,6 +87,7 @@ class CallEngine:
     """The chat messages the prompt renders (SDK programs): what a chat engine is sent."""
     tools: tuple[dict[str, Any], ...] = ()
     """The tools offered with the messages (OpenAI function specs)."""
+    tool_choice: str | dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -322,6 +323,7 @@ def next_move(
                 resume=False,
                 messages=action.messages,
                 tools=action.tools,
+                tool_choice=action.tool_choice,
             )
         case CallTool():
             call_id = tool_call_id(step, generation)
@@ -412,6 +414,7 @@ def _resume(state: SessionState, pending: Step, action: Any, step: int) -> Move:
             resume=True,
             messages=action.messages,
             tools=action.tools,
+            tool_choice=action.tool_choice,
         )
     same = (
         isinstance(action, CallTool)

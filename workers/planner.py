@@ -385,6 +385,7 @@ class PlannerWorker(SessionWorker):
                     max_output_tokens=move.max_output_tokens,
                     messages=move.messages,
                     tools=move.tools,
+                    tool_choice=move.tool_choice,
                 )
             except EngineUnavailable as e:
                 if loop.time() >= deadline:

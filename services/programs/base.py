@@ -81,6 +81,8 @@ class CallLLM:
     """The chat messages the prompt was rendered from (SDK programs); empty for token-run prompts."""
     tools: tuple[dict[str, Any], ...] = ()
     """The tools (OpenAI function specs) offered to the model with the messages."""
+    tool_choice: str | dict[str, Any] | None = None
+    """OpenAI's ``tool_choice`` (``none``, ``auto``, ``required``, a named function); None: the engine's default."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -270,8 +270,11 @@ class Context:
         *,
         tools: Sequence[Mapping[str, Any]] = (),
         max_tokens: int = DEFAULT_MAX_TOKENS,
+        tool_choice: str | Mapping[str, Any] | None = None,
     ) -> _Step:
-        """Ask the model: ``messages`` are OpenAI chat messages, ``tools`` OpenAI function specs.
+        """Ask the model: ``messages`` are OpenAI chat messages, ``tools`` OpenAI function specs,
+        ``tool_choice`` OpenAI's (``"none"``, ``"auto"``, ``"required"`` or
+        ``{"type": "function", "function": {"name": ...}}``; None: the engine's default).
 
         Returns a ``Reply``. A chat engine is sent the messages and tools as they are; a completions
         engine the messages rendered into one text prompt (``render_messages``). Either way the
@@ -279,8 +282,9 @@ class Context:
         """
         normalized = tuple(_message(m, i) for i, m in enumerate(messages))
         tool_specs = tuple(_json_copy(t, "a tool spec") for t in tools)
-        prompt = Prompt(text=render_messages(normalized, tool_specs))
-        return _LLMStep(self, CallLLM(prompt, int(max_tokens), normalized, tool_specs))
+        choice = None if tool_choice is None else _json_copy(tool_choice, "tool_choice")
+        prompt = Prompt(text=render_messages(normalized, tool_specs, choice))
+        return _LLMStep(self, CallLLM(prompt, int(max_tokens), normalized, tool_specs, choice))
 
     def tool(self, name: str, args: Mapping[str, Any] | None = None, *, resource: str | None = None) -> _Step:
         """Call a tool; returns its result, raises ``ToolError`` when it was aborted or failed.
@@ -405,16 +409,24 @@ def _json_copy(value: Any, what: str) -> Any:
         raise InvalidAction(f"{what} must be JSON: {e}") from e
 
 
-def render_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()) -> str:
+def render_messages(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] = (),
+    tool_choice: str | Mapping[str, Any] | None = None,
+) -> str:
     """The text prompt a completions engine gets for chat ``messages`` (stable: it is digested).
 
     One block per message, ``<|role|>`` then its content (JSON for anything but a string),
-    tool calls of assistant messages as JSON; the tools first; ``<|assistant|>`` last.
+    tool calls of assistant messages as JSON; the tools first (then the tool choice, when one
+    is given); ``<|assistant|>`` last.
     """
     lines: list[str] = []
     if tools:
         lines.append("<|tools|>")
         lines.extend(json.dumps(t, sort_keys=True) for t in tools)
+    if tool_choice is not None:
+        lines.append("<|tool_choice|>")
+        lines.append(json.dumps(tool_choice, sort_keys=True))
     for message in messages:
         role = str(message["role"])
         if role == "tool" and message.get("name"):

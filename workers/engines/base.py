@@ -50,10 +50,12 @@ class Engine(Protocol):
         max_output_tokens: int,
         messages: Sequence[Mapping[str, Any]] = (),
         tools: Sequence[Mapping[str, Any]] = (),
+        tool_choice: str | Mapping[str, Any] | None = None,
     ) -> Completion:
         """Run one LLM call. ``request_id`` is the same on every retry of the same call.
 
-        ``messages`` and ``tools`` (OpenAI's, from an SDK program) are what a chat engine sends;
+        ``messages``, ``tools`` and ``tool_choice`` (OpenAI's, from an SDK program) are what a chat
+        engine sends;
         ``prompt`` is their rendering, what a completions engine sends."""
         ...
 

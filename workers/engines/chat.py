@@ -1,8 +1,8 @@
 """An engine reached over OpenAI's chat completions API: agentlog's simulated engine, vLLM's
 OpenAI server, or any OpenAI-compatible endpoint.
 
-``POST {base_url}/v1/chat/completions`` with ``model``, ``messages``, ``tools`` (when the program
-offers any) and ``max_completion_tokens``; the request id and the session id travel as the
+``POST {base_url}/v1/chat/completions`` with ``model``, ``messages``, ``tools`` and ``tool_choice``
+(when the program gives them) and ``max_completion_tokens``; the request id and the session id travel as the
 headers ``X-Request-Id`` and ``X-Agentlog-Session`` and, unless ``ids_in_body`` is off (an
 endpoint that refuses unknown fields, as OpenAI's own does), as the body fields
 ``request_id`` and ``session_id`` (the simulated engine and vLLM read them there). An API key
@@ -61,6 +61,7 @@ class ChatEngine(HttpEngine):
         max_output_tokens: int,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]],
+        tool_choice: str | Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         if not messages:
             if prompt.text is None:
@@ -76,6 +77,8 @@ class ChatEngine(HttpEngine):
         }
         if tools:
             payload["tools"] = [dict(t) for t in tools]
+        if tool_choice is not None:
+            payload["tool_choice"] = tool_choice if isinstance(tool_choice, str) else dict(tool_choice)
         if self.temperature is not None:
             payload["temperature"] = self.temperature
         if self.ids_in_body:
@@ -110,6 +113,7 @@ class ChatEngine(HttpEngine):
         max_output_tokens: int,
         messages: Sequence[Mapping[str, Any]] = (),
         tools: Sequence[Mapping[str, Any]] = (),
+        tool_choice: str | Mapping[str, Any] | None = None,
     ) -> Completion:
         payload = self.chat_payload(
             session_id=session_id,
@@ -118,6 +122,7 @@ class ChatEngine(HttpEngine):
             max_output_tokens=max_output_tokens,
             messages=messages,
             tools=tools,
+            tool_choice=tool_choice,
         )
         began = time.monotonic()
         body = await self.post(

@@ -67,9 +67,10 @@ class HttpEngine:
         max_output_tokens: int,
         messages: Sequence[Mapping[str, Any]] = (),
         tools: Sequence[Mapping[str, Any]] = (),
+        tool_choice: str | Mapping[str, Any] | None = None,
     ) -> Completion:
-        """A completion of ``prompt`` (``messages`` and ``tools`` are for chat engines: the prompt is
-        their rendering)."""
+        """A completion of ``prompt`` (``messages``, ``tools`` and ``tool_choice`` are for chat engines:
+        the prompt is their rendering)."""
         payload = self.payload(
             session_id=session_id, request_id=request_id, prompt=prompt, max_output_tokens=max_output_tokens
         )

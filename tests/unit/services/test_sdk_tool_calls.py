@@ -139,3 +139,19 @@ def test_an_agent_loop_on_the_simulated_model_runs_to_its_answer(goal: str) -> N
         assert json.loads(tool_message["content"]) == {"found": 42}
         assert world.executions == {("s", "tool-1"): 1}
         assert json.loads(state.tool_calls["tool-1"].proposed.arguments_json) == json.loads(recorded[0].arguments)
+
+
+def test_the_tool_choice_travels_with_the_call_and_is_part_of_its_digest() -> None:
+    @program(name="chooser")
+    async def chooser(ctx: Context) -> None:
+        await ctx.llm(messages=[{"role": "user", "content": "x"}], tools=[LOOKUP], tool_choice=ctx.args.get("choice"))
+
+    def action(choice: Any) -> CallLLM:
+        step = chooser.next_action(ProgramView("s", {"choice": choice}))
+        assert isinstance(step, CallLLM)
+        return step
+
+    named = {"type": "function", "function": {"name": "lookup"}}
+    assert action(named).tool_choice == named and action(None).tool_choice is None
+    digests = {action(c).prompt.digest() for c in (None, "required", named)}
+    assert len(digests) == 3  # a program that changes its tool choice on replay is caught
