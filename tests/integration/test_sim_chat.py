@@ -332,6 +332,7 @@ def test_bad_bodies_get_openais_error_shape_and_change_nothing(engine: Engine) -
     reused = {"model": "sim-model", "messages": USER, "request_id": "c/0"}
     status, answer = engine.post("/v1/chat/completions", json.dumps(reused).encode())
     assert (status, answer["error"]["code"]) == (409, "request_id_reused")
+    assert engine.get("/stats")["num_replayed"] == 0  # refused, not answered from the record
 
 
 def test_the_planners_chat_engine_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

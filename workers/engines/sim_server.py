@@ -208,10 +208,10 @@ class SimServer:
             request_id = chat.request_id or request.headers.get("X-Request-Id") or f"chatcmpl-{uuid.uuid4().hex}"
             session_id = chat.session_id or request.headers.get("X-Agentlog-Session") or request_id
             if request_id in self.served:
-                completion = self._replay(request_id)
-                if completion.get("object") != "chat.completion":
+                if self.served[request_id].get("object") != "chat.completion":
                     raise ChatRequestError(f"request id {request_id!r} was already used for a completion",
                                            param="request_id", status=409, code="request_id_reused")  # fmt: skip
+                completion = self._replay(request_id)
             else:
                 token_ids = text_token_ids(chat.prompt_text())
                 reply = chat_reply(chat, request_id=request_id, num_prompt_tokens=len(token_ids))
