@@ -148,6 +148,11 @@ class LLMCallCompleted(Model):
     queue_ms: float = Field(description="Milliseconds the request waited before it was scheduled.")
     prefill_ms: float = Field(description="Milliseconds spent computing the uncached prompt tokens.")
     decode_ms: float = Field(description="Milliseconds spent generating output tokens.")
+    tool_calls_json: str | None = Field(
+        default=None,
+        description="The tool calls of a chat reply as a JSON list of {id, name, arguments} (arguments: the raw "
+        "string the model emitted, malformed or not), or null: none, or a record written before the field existed.",
+    )
 
 
 class ToolCallProposed(Model):

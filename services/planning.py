@@ -40,6 +40,7 @@ from services.programs.base import (
     Finish,
     Fork,
     LLMResult,
+    ModelToolCall,
     NonDeterminism,
     Program,
     ProgramView,
@@ -82,6 +83,11 @@ class CallEngine:
     max_output_tokens: int
     resume: bool
     """True when LLMCallStarted is already in the log (only the output is missing)."""
+    messages: tuple[dict[str, Any], ...] = ()
+    """The chat messages the prompt renders (SDK programs): what a chat engine is sent."""
+    tools: tuple[dict[str, Any], ...] = ()
+    """The tools offered with the messages (OpenAI function specs)."""
+    tool_choice: str | dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +229,7 @@ def recorded_results(state: SessionState) -> tuple[list[Result], Step | None]:
                     step.completed.prompt_tokens,
                     step.completed.output_tokens,
                     step.started.prompt_digest,
+                    ModelToolCall.list_from_json(step.completed.tool_calls_json),
                 )
             )
         elif isinstance(step, PlannerStep):
@@ -314,6 +321,9 @@ def next_move(
                 prompt_digest(action.prompt),
                 action.max_output_tokens,
                 resume=False,
+                messages=action.messages,
+                tools=action.tools,
+                tool_choice=action.tool_choice,
             )
         case CallTool():
             call_id = tool_call_id(step, generation)
@@ -402,6 +412,9 @@ def _resume(state: SessionState, pending: Step, action: Any, step: int) -> Move:
             pending.started.prompt_digest,
             action.max_output_tokens,
             resume=True,
+            messages=action.messages,
+            tools=action.tools,
+            tool_choice=action.tool_choice,
         )
     same = (
         isinstance(action, CallTool)

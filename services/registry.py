@@ -57,6 +57,14 @@ class Tool:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def function_spec(self) -> dict[str, Any]:
+        """The tool as OpenAI function calling offers it to a model (``ctx.llm(tools=[...])``)."""
+        function: dict[str, Any] = {"name": self.spec.name, "parameters": self.spec.args_schema}
+        if self.spec.description:
+            function["description"] = self.spec.description
+        return {"type": "function", "function": function}
+
 
 @dataclass
 class Registry:

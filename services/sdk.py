@@ -31,7 +31,16 @@ from typing import Any, overload
 
 from schemas.events import EffectClass
 from services.programs.base import NonDeterminism
-from services.programs.sdk import Context, ForkFailed, ForkOutcome, ProgramFunction, Reply, SdkProgram, ToolError
+from services.programs.sdk import (
+    Context,
+    ForkFailed,
+    ForkOutcome,
+    MalformedToolCall,
+    ProgramFunction,
+    Reply,
+    SdkProgram,
+    ToolError,
+)
 from services.registry import Tool, ToolFunction, ToolOutput, effect_class
 from services.tools import ToolSpec
 from services.voters import Ballot, FunctionVoter, Proposal, VoterFunction, abstain, approve, hold, reject
@@ -42,6 +51,7 @@ __all__ = [
     "EffectClass",
     "ForkFailed",
     "ForkOutcome",
+    "MalformedToolCall",
     "NonDeterminism",
     "Proposal",
     "Reply",

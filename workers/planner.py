@@ -81,6 +81,7 @@ from services.planning import (
     next_move,
 )
 from services.programs import Program
+from services.programs.base import ModelToolCall
 from services.registry import Registry
 from services.replay import cut_events
 from services.session import SessionState
@@ -140,7 +141,9 @@ class PlannerWorker(SessionWorker):
             "--engine-kind",
             choices=ENGINE_KINDS,
             default=os.environ.get("AGENTLOG_ENGINE_KIND", "sim"),
-            help="sim (agentlog's simulated engine) or vllm (vLLM's OpenAI-compatible server)",
+            help="sim (agentlog's simulated engine), vllm (vLLM's completions API) or openai (chat completions "
+            "with function calling: the sim engine, vLLM's OpenAI server, any OpenAI-compatible endpoint; "
+            "AGENTLOG_ENGINE_MODEL, AGENTLOG_ENGINE_API_KEY)",
         )
         parser.add_argument(
             "--checkpoint-every",
@@ -363,6 +366,7 @@ class PlannerWorker(SessionWorker):
             queue_ms=completion.queue_ms,
             prefill_ms=completion.prefill_ms,
             decode_ms=completion.decode_ms,
+            tool_calls_json=ModelToolCall.list_to_json(completion.tool_calls),
         )
         await self._append_all([llm_completed(state, move, completed)])
         crash_point("planner.after_llm_completed")
@@ -379,6 +383,9 @@ class PlannerWorker(SessionWorker):
                     request_id=move.request_id,
                     prompt=move.prompt,
                     max_output_tokens=move.max_output_tokens,
+                    messages=move.messages,
+                    tools=move.tools,
+                    tool_choice=move.tool_choice,
                 )
             except EngineUnavailable as e:
                 if loop.time() >= deadline:

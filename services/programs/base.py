@@ -81,6 +81,8 @@ class CallLLM:
     """The chat messages the prompt was rendered from (SDK programs); empty for token-run prompts."""
     tools: tuple[dict[str, Any], ...] = ()
     """The tools (OpenAI function specs) offered to the model with the messages."""
+    tool_choice: str | dict[str, Any] | None = None
+    """OpenAI's ``tool_choice`` (``none``, ``auto``, ``required``, a named function); None: the engine's default."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,35 @@ Action = CallLLM | CallTool | Finish | Fail | TakeCheckpoint | Fork
 
 
 @dataclass(frozen=True, slots=True)
+class ModelToolCall:
+    """A tool call a chat model asked for, as it asked: ``arguments`` is the raw string it
+    emitted (JSON when well formed; a program must not assume so)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict[str, Any]:
+        """OpenAI's form (an entry of an assistant message's ``tool_calls``)."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def to_json(self) -> dict[str, str]:
+        """The form ``LLMCallCompleted.tool_calls_json`` records."""
+        return {"id": self.id, "name": self.name, "arguments": self.arguments}
+
+    @staticmethod
+    def list_from_json(text: str | None) -> tuple[ModelToolCall, ...]:
+        """The calls ``LLMCallCompleted.tool_calls_json`` holds (none for null)."""
+        if not text:
+            return ()
+        return tuple(ModelToolCall(str(c["id"]), str(c["name"]), str(c["arguments"])) for c in json.loads(text))
+
+    @staticmethod
+    def list_to_json(calls: tuple[ModelToolCall, ...]) -> str | None:
+        return json.dumps([c.to_json() for c in calls]) if calls else None
+
+
+@dataclass(frozen=True, slots=True)
 class LLMResult:
     call_id: str
     request_id: str
@@ -136,6 +167,8 @@ class LLMResult:
     output_tokens: int
     prompt_digest: str = ""
     """The digest of the prompt the log recorded for this call (empty: not known)."""
+    tool_calls: tuple[ModelToolCall, ...] = ()
+    """The tool calls of a chat reply (``LLMCallCompleted.tool_calls_json``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,8 @@ from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jsonschema
+
 from services.programs.base import (
     Action,
     CallLLM,
@@ -82,6 +84,16 @@ class ForkFailed(Exception):
     """The branches of a fork could not be merged (they conflict); the message lists the conflicts."""
 
 
+class MalformedToolCall(Exception):
+    """A tool call of the model's that cannot be made: arguments that are not JSON or fail the tool's
+    schema, or a tool that was not offered. ``call`` is the call as the model sent it (OpenAI's form)."""
+
+    def __init__(self, call: Mapping[str, Any], error: str) -> None:
+        super().__init__(error)
+        self.call = dict(call)
+        self.error = error
+
+
 @dataclass(frozen=True)
 class Reply:
     """What ``await ctx.llm(...)`` returns: the model's answer and its token counts."""
@@ -91,7 +103,10 @@ class Reply:
     output_tokens: int
     call_id: str
     tool_calls: tuple[dict[str, Any], ...] = ()
-    """Tool calls the model asked for (OpenAI's ``tool_calls``); only a chat engine returns them."""
+    """Tool calls the model asked for (OpenAI's ``tool_calls``, arguments as the raw string it sent);
+    only a chat engine returns them. ``await ctx.run_tool_calls(reply)`` makes them."""
+    tools: tuple[dict[str, Any], ...] = field(default=(), repr=False)
+    """The tools the call offered the model (what ``run_tool_calls`` checks a call against)."""
 
     @property
     def message(self) -> dict[str, Any]:
@@ -152,7 +167,10 @@ class _LLMStep(_Step):
                 f"step {step}: the log holds LLM call {result.call_id} with another prompt than the one the "
                 f"program now sends (prompt digest {result.prompt_digest[:12]} != {self.action.prompt.digest()[:12]})"
             )
-        return Reply(result.output_text, result.prompt_tokens, result.output_tokens, result.call_id)
+        calls = tuple(call.to_openai() for call in result.tool_calls)
+        return Reply(
+            result.output_text, result.prompt_tokens, result.output_tokens, result.call_id, calls, self.action.tools
+        )
 
 
 class _ToolStep(_Step):
@@ -252,16 +270,21 @@ class Context:
         *,
         tools: Sequence[Mapping[str, Any]] = (),
         max_tokens: int = DEFAULT_MAX_TOKENS,
+        tool_choice: str | Mapping[str, Any] | None = None,
     ) -> _Step:
-        """Ask the model: ``messages`` are OpenAI chat messages, ``tools`` OpenAI function specs.
+        """Ask the model: ``messages`` are OpenAI chat messages, ``tools`` OpenAI function specs,
+        ``tool_choice`` OpenAI's (``"none"``, ``"auto"``, ``"required"`` or
+        ``{"type": "function", "function": {"name": ...}}``; None: the engine's default).
 
-        Returns a ``Reply``. With a completions engine the messages are rendered into one text prompt
-        (``render_messages``); the engine counts its tokens.
+        Returns a ``Reply``. A chat engine is sent the messages and tools as they are; a completions
+        engine the messages rendered into one text prompt (``render_messages``). Either way the
+        rendering's digest is what the log checks on replay, and the engine counts the tokens.
         """
         normalized = tuple(_message(m, i) for i, m in enumerate(messages))
         tool_specs = tuple(_json_copy(t, "a tool spec") for t in tools)
-        prompt = Prompt(text=render_messages(normalized, tool_specs))
-        return _LLMStep(self, CallLLM(prompt, int(max_tokens), normalized, tool_specs))
+        choice = None if tool_choice is None else _json_copy(tool_choice, "tool_choice")
+        prompt = Prompt(text=render_messages(normalized, tool_specs, choice))
+        return _LLMStep(self, CallLLM(prompt, int(max_tokens), normalized, tool_specs, choice))
 
     def tool(self, name: str, args: Mapping[str, Any] | None = None, *, resource: str | None = None) -> _Step:
         """Call a tool; returns its result, raises ``ToolError`` when it was aborted or failed.
@@ -272,6 +295,42 @@ class Context:
             raise InvalidAction(f"step {self._step}: {name!r} is not a tool name")
         arguments = _json_copy(dict(args or {}), f"the arguments of {name}")
         return _ToolStep(self, CallTool(name, arguments, resource))
+
+    async def run_tool_calls(self, reply: Reply, *, on_error: str = "tell") -> list[dict[str, Any]]:
+        """Make the tool calls of ``reply``, in order; returns the ``tool`` messages that answer them
+        (append them after ``reply.message`` for the next ``ctx.llm``).
+
+        Each well-formed call is a ``ctx.tool`` step: proposed, voted on, executed; its message holds
+        the result as JSON. A call that cannot be made (``MalformedToolCall``: arguments that are not
+        JSON or fail the schema the call offered, a tool that was not offered) makes no step. With
+        ``on_error="tell"`` (the default) a malformed call, and a call the decider refused or that
+        failed (``ToolError``), is answered with ``{"error": ...}``, so the model is told on its next
+        call; with ``on_error="raise"`` the first of them raises instead, for the program to handle.
+        The raw calls are in the log (``LLMCallCompleted.tool_calls_json``), so this replays the same.
+        """
+        if on_error not in ("tell", "raise"):
+            raise InvalidAction(f"step {self._step}: on_error must be 'tell' or 'raise', got {on_error!r}")
+        messages: list[dict[str, Any]] = []
+        for index, call in enumerate(reply.tool_calls):
+            function = call.get("function") or {}
+            name = str(function.get("name") or "")
+            message = {"role": "tool", "tool_call_id": str(call.get("id") or f"{reply.call_id}-{index}"), "name": name}
+            try:
+                arguments = _checked_arguments(name, function.get("arguments"), reply.tools)
+            except MalformedToolCall as e:
+                if on_error == "raise":
+                    raise MalformedToolCall(call, e.error) from None
+                messages.append({**message, "content": json.dumps({"error": e.error})})
+                continue
+            try:
+                result = await self.tool(name, arguments)
+            except ToolError as e:
+                if on_error == "raise":
+                    raise
+                messages.append({**message, "content": json.dumps({"error": e.result.error})})
+                continue
+            messages.append({**message, "content": json.dumps(result, sort_keys=True)})
+        return messages
 
     def checkpoint(self) -> _Step:
         """Take a checkpoint here (a cut a session can be restored or forked from); returns its id."""
@@ -302,6 +361,39 @@ class Context:
         return None
 
 
+def _offered(tools: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """Tool name -> its argument schema, for OpenAI specs (``{"type": "function", "function": {...}}``)
+    and bare ones (``{"name", "parameters"}``)."""
+    offered: dict[str, Mapping[str, Any]] = {}
+    for spec in tools:
+        function = spec.get("function", spec)
+        if isinstance(function, Mapping) and isinstance(function.get("name"), str):
+            parameters = function.get("parameters")
+            offered[function["name"]] = parameters if isinstance(parameters, Mapping) else {"type": "object"}
+    return offered
+
+
+def _checked_arguments(name: str, raw: Any, tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The arguments of a model's tool call, or ``MalformedToolCall`` saying what is wrong with it."""
+    offered = _offered(tools)
+    if name not in offered:
+        known = ", ".join(sorted(offered)) or "none"
+        raise MalformedToolCall({}, f"unknown tool {name!r}; the tools offered are: {known}")
+    try:
+        arguments = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError as e:
+        raise MalformedToolCall({}, f"the arguments of {name} are not JSON ({e}): {str(raw)[:200]}") from None
+    if not isinstance(arguments, dict):
+        raise MalformedToolCall({}, f"the arguments of {name} must be a JSON object, got {json.dumps(arguments)[:200]}")
+    try:
+        jsonschema.validate(arguments, dict(offered[name]))
+    except jsonschema.ValidationError as e:
+        raise MalformedToolCall({}, f"the arguments of {name} do not match its schema: {e.message}") from None
+    except jsonschema.SchemaError as e:
+        raise MalformedToolCall({}, f"the schema offered for {name} is not a JSON schema: {e.message}") from None
+    return arguments
+
+
 def _message(message: Mapping[str, Any], index: int) -> dict[str, Any]:
     if not isinstance(message, Mapping) or message.get("role") not in ROLES:
         raise InvalidAction(f"message {index} must be a mapping with a role in {sorted(ROLES)}: {message!r}")
@@ -317,16 +409,24 @@ def _json_copy(value: Any, what: str) -> Any:
         raise InvalidAction(f"{what} must be JSON: {e}") from e
 
 
-def render_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()) -> str:
+def render_messages(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] = (),
+    tool_choice: str | Mapping[str, Any] | None = None,
+) -> str:
     """The text prompt a completions engine gets for chat ``messages`` (stable: it is digested).
 
     One block per message, ``<|role|>`` then its content (JSON for anything but a string),
-    tool calls of assistant messages as JSON; the tools first; ``<|assistant|>`` last.
+    tool calls of assistant messages as JSON; the tools first (then the tool choice, when one
+    is given); ``<|assistant|>`` last.
     """
     lines: list[str] = []
     if tools:
         lines.append("<|tools|>")
         lines.extend(json.dumps(t, sort_keys=True) for t in tools)
+    if tool_choice is not None:
+        lines.append("<|tool_choice|>")
+        lines.append(json.dumps(tool_choice, sort_keys=True))
     for message in messages:
         role = str(message["role"])
         if role == "tool" and message.get("name"):

@@ -30,7 +30,7 @@ import pytest
 
 from cli.stack import Stack
 from schemas import events as ev
-from tests.e2e.test_sdk_agent import GOAL, SdkScenario
+from tests.e2e.sdk_scenario import GOAL, SdkScenario
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from schemas.events import EngineId
-from services.programs.base import Prompt
+from services.programs.base import ModelToolCall, Prompt
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class Completion:
     decode_ms: float
     replayed: bool = False
     """True when the engine answered from its record of this request id instead of running it again."""
+    tool_calls: tuple[ModelToolCall, ...] = ()
+    """The tool calls of a chat reply (a chat engine's; a completions engine has none)."""
 
 
 class EngineError(Exception):
@@ -38,8 +41,22 @@ class EngineUnavailable(Exception):
 class Engine(Protocol):
     engine_id: EngineId
 
-    async def complete(self, *, session_id: str, request_id: str, prompt: Prompt, max_output_tokens: int) -> Completion:
-        """Run one LLM call. ``request_id`` is the same on every retry of the same call."""
+    async def complete(
+        self,
+        *,
+        session_id: str,
+        request_id: str,
+        prompt: Prompt,
+        max_output_tokens: int,
+        messages: Sequence[Mapping[str, Any]] = (),
+        tools: Sequence[Mapping[str, Any]] = (),
+        tool_choice: str | Mapping[str, Any] | None = None,
+    ) -> Completion:
+        """Run one LLM call. ``request_id`` is the same on every retry of the same call.
+
+        ``messages``, ``tools`` and ``tool_choice`` (OpenAI's, from an SDK program) are what a chat
+        engine sends;
+        ``prompt`` is their rendering, what a completions engine sends."""
         ...
 
     async def close(self) -> None: ...

@@ -10,6 +10,7 @@ agentlog's simulated engine serves the same API (``workers.engines.sim_server``)
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -57,21 +58,24 @@ class HttpEngine:
             bool(timing.get("replayed", False)),
         )
 
-    async def complete(self, *, session_id: str, request_id: str, prompt: Prompt, max_output_tokens: int) -> Completion:
+    async def complete(
+        self,
+        *,
+        session_id: str,
+        request_id: str,
+        prompt: Prompt,
+        max_output_tokens: int,
+        messages: Sequence[Mapping[str, Any]] = (),
+        tools: Sequence[Mapping[str, Any]] = (),
+        tool_choice: str | Mapping[str, Any] | None = None,
+    ) -> Completion:
+        """A completion of ``prompt`` (``messages``, ``tools`` and ``tool_choice`` are for chat engines:
+        the prompt is their rendering)."""
         payload = self.payload(
             session_id=session_id, request_id=request_id, prompt=prompt, max_output_tokens=max_output_tokens
         )
         began = time.monotonic()
-        try:
-            client = await self._client()
-            async with client.post(f"{self.base_url}/v1/completions", json=payload) as response:
-                body = await response.json(content_type=None)
-                if response.status >= 500 or response.status == 429:
-                    raise EngineUnavailable(f"engine {self.engine_id} answered {response.status}: {body}")
-                if response.status >= 400:
-                    raise EngineError(f"engine {self.engine_id} refused {request_id}: {body}")
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
-            raise EngineUnavailable(f"engine {self.engine_id} unreachable: {e}") from e
+        body = await self.post("/v1/completions", payload, request_id=request_id)
         usage = body.get("usage", {})
         queue_ms, prefill_ms, decode_ms, replayed = self.timings(body, (time.monotonic() - began) * 1000)
         return Completion(
@@ -87,6 +91,25 @@ class HttpEngine:
             decode_ms=decode_ms,
             replayed=replayed,
         )
+
+    async def post(
+        self, path: str, payload: dict[str, Any], *, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
+        """POST ``payload``; the answer's JSON. Raises ``EngineUnavailable`` (retry: unreachable, 5xx,
+        429) or ``EngineError`` (refused: any other 4xx). Errors quote the answer, never the headers."""
+        try:
+            client = await self._client()
+            async with client.post(f"{self.base_url}{path}", json=payload, headers=headers) as response:
+                body = await response.json(content_type=None)
+                if response.status >= 500 or response.status == 429:
+                    raise EngineUnavailable(f"engine {self.engine_id} answered {response.status}: {body}")
+                if response.status >= 400:
+                    raise EngineError(f"engine {self.engine_id} refused {request_id} ({response.status}): {body}")
+        except (aiohttp.ClientError, TimeoutError, ConnectionError, ValueError) as e:
+            raise EngineUnavailable(f"engine {self.engine_id} unreachable: {type(e).__name__}: {e}") from e
+        if not isinstance(body, dict):
+            raise EngineError(f"engine {self.engine_id} answered {request_id} with {body!r}, not a JSON object")
+        return body
 
     async def close(self) -> None:
         if self._session is not None:

@@ -1,4 +1,4 @@
-"""The simulated engine as a process, speaking vLLM's OpenAI-compatible completions API.
+"""The simulated engine as a process, speaking vLLM's OpenAI-compatible API.
 
 ``POST /v1/completions`` takes ``prompt`` (text) or ``prompt_runs`` (token runs,
 see ``services.programs.base.TokenRun``), ``max_tokens``, ``request_id`` and
@@ -6,6 +6,17 @@ see ``services.programs.base.TokenRun``), ``max_tokens``, ``request_id`` and
 ``prompt_tokens_details.cached_tokens``) plus an ``agentlog`` object with the
 simulated timings. ``GET /stats`` reports requests served and replayed and the
 cache's block counts; ``GET /health`` answers 200.
+
+``POST /v1/chat/completions`` answers OpenAI's chat API (``messages``, ``tools``,
+``tool_choice``, ``max_tokens``/``max_completion_tokens``, ``stream`` with
+``stream_options.include_usage``) with the same engine call: the prompt is the
+rendered messages (``services.programs.sdk.render_messages``), so a session's next
+turn hits its cached prefix. What the model says (text or tool calls, deterministic
+in the request's content, malformed calls on request) is ``services.engine.chat``'s.
+Errors have OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``): 400
+for a bad body, 404 for a model this engine does not serve (``--model``, listed by
+``GET /v1/models``), 401 without the key when ``--api-key`` is set. A stream's last
+chunk before ``[DONE]`` carries the ``agentlog`` timings.
 
 **KV events** come in numbered batches, like vLLM's ZMQ stream: one batch per engine
 step (a call, or a control command), ``seq`` gapless from 1 within an ``epoch`` (a
@@ -50,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -64,10 +76,18 @@ from typing import Any
 from aiohttp import web
 
 from schemas.events import CacheAction, SessionId
+from services.engine.chat import (
+    ChatRequestError,
+    chat_reply,
+    completion_json,
+    error_json,
+    parse_chat_request,
+    stream_chunks,
+)
 from services.engine.control import CacheControl
 from services.engine.cost import CostModel
 from services.engine.kv_cache import KVCacheError, KVEvent, OutOfBlocks, PagedKVCache
-from services.engine.sim import SimEngine
+from services.engine.sim import SimEngine, SimResult
 from services.programs.base import Prompt, TokenRun, output_run
 from workers.crash import crash_point
 
@@ -85,6 +105,10 @@ def kv_event_json(event: KVEvent) -> dict[str, Any]:
     }
 
 
+class _Refused(Exception):
+    """The engine cannot run a call (it does not fit the cache, even with every pin released)."""
+
+
 def text_token_ids(text: str) -> list[int]:
     """A stand-in tokenizer for text prompts: one token per whitespace-separated word."""
     return [zlib.crc32(word.encode()) % 32_000 for word in text.split()]
@@ -92,10 +116,20 @@ def text_token_ids(text: str) -> list[int]:
 
 class SimServer:
     def __init__(
-        self, engine: SimEngine, state_dir: Path, *, engine_id: str, time_scale: float, kv_buffer: int = 10_000
+        self,
+        engine: SimEngine,
+        state_dir: Path,
+        *,
+        engine_id: str,
+        time_scale: float,
+        kv_buffer: int = 10_000,
+        model: str = "sim",
+        api_key: str | None = None,
     ) -> None:
         self.engine = engine
         self.engine_id = engine_id
+        self.model = model  # the served model name (a request may name it or the engine id)
+        self._api_key = api_key  # like vLLM's --api-key: required on /v1/ when set
         self.time_scale = time_scale
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -116,6 +150,7 @@ class SimServer:
         self.control = CacheControl(engine.cache)  # carries /kv_control's decisions out; the pressure valve
         self._lock = asyncio.Lock()
         self._started = time.monotonic()
+        self._created = time.time()
 
     def now(self) -> float:
         """Engine time in simulated seconds (wall time divided by the time scale)."""
@@ -130,10 +165,7 @@ class SimServer:
         except (ValueError, KeyError, TypeError) as e:
             return web.json_response({"error": f"bad request: {e}"}, status=400)
         if request_id in self.served:
-            self.num_replayed += 1
-            response = dict(self.served[request_id])
-            response["agentlog"] = {**response["agentlog"], "replayed": True}
-            return web.json_response(response)
+            return web.json_response(self._replay(request_id))
         if "prompt_runs" in body:
             prompt = Prompt(tuple(TokenRun(str(seed), int(count)) for seed, count in body["prompt_runs"]))
             token_ids = prompt.token_ids()
@@ -143,6 +175,87 @@ class SimServer:
             text = json.dumps({"answer": f"simulated answer to {len(token_ids)} prompt tokens"})
         if not token_ids:
             return web.json_response({"error": "empty prompt"}, status=400)
+        try:
+            result, queue_ms = await self._run(request_id, session_id, token_ids, max_tokens)
+        except _Refused as e:
+            return web.json_response({"error": str(e)}, status=400)
+        response = {
+            "id": request_id,
+            "object": "text_completion",
+            "model": self.engine_id,
+            "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+            "usage": self._usage(result),
+            "agentlog": self._timings(result, queue_ms),
+        }
+        self._record(request_id, response)
+        return web.json_response(response)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions`` (``services.engine.chat`` says what the model answers):
+        the same engine call, token accounting, KV events and record as ``/v1/completions``; the
+        prompt is the rendered messages. ``request_id`` and ``session_id`` are body fields, or the
+        headers ``X-Request-Id`` and ``X-Agentlog-Session``; without a request id the call gets a
+        random one (and cannot be replayed)."""
+        try:
+            try:
+                body = await request.json()
+            except ValueError as e:
+                raise ChatRequestError(f"the request body is not JSON: {e}") from None
+            chat = parse_chat_request(body)
+            if chat.model not in (self.model, self.engine_id):
+                raise ChatRequestError(f"the model {chat.model!r} does not exist; this engine serves {self.model!r}",
+                                       param="model", status=404, code="model_not_found")  # fmt: skip
+            request_id = chat.request_id or request.headers.get("X-Request-Id") or f"chatcmpl-{uuid.uuid4().hex}"
+            session_id = chat.session_id or request.headers.get("X-Agentlog-Session") or request_id
+            if request_id in self.served:
+                if self.served[request_id].get("object") != "chat.completion":
+                    raise ChatRequestError(f"request id {request_id!r} was already used for a completion",
+                                           param="request_id", status=409, code="request_id_reused")  # fmt: skip
+                completion = self._replay(request_id)
+            else:
+                token_ids = text_token_ids(chat.prompt_text())
+                reply = chat_reply(chat, request_id=request_id, num_prompt_tokens=len(token_ids))
+                try:
+                    result, queue_ms = await self._run(request_id, session_id, token_ids, chat.max_tokens)
+                except _Refused as e:
+                    raise ChatRequestError(str(e)) from None
+                completion = completion_json(
+                    reply,
+                    request_id=request_id,
+                    model=chat.model,
+                    created=int(time.time()),
+                    usage=self._usage(result),
+                    agentlog=self._timings(result, queue_ms),
+                )
+                self._record(request_id, completion)
+        except ChatRequestError as e:
+            return web.json_response(error_json(e), status=e.status)
+        if not chat.stream:
+            return web.json_response(completion)
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await stream.prepare(request)
+        for chunk in stream_chunks(completion, include_usage=chat.include_usage):
+            await stream.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await stream.write(b"data: [DONE]\n\n")
+        await stream.write_eof()
+        return stream
+
+    async def models(self, _request: web.Request) -> web.Response:
+        model = {"id": self.model, "object": "model", "created": int(self._created), "owned_by": "agentlog"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    def _replay(self, request_id: str) -> dict[str, Any]:
+        """The recorded answer to a request id served before, marked ``replayed``."""
+        self.num_replayed += 1
+        response = dict(self.served[request_id])
+        response["agentlog"] = {**response["agentlog"], "replayed": True}
+        return response
+
+    async def _run(
+        self, request_id: str, session_id: str, token_ids: list[int], max_tokens: int
+    ) -> tuple[SimResult, float]:
+        """One engine call (both endpoints): queue, run, take the simulated time, publish its KV
+        events; ``(result, queue_ms)``. Raises ``_Refused`` when the call cannot run."""
         # What the simulated model "says" is the request's own token run, so a trace replay
         # (services.programs.trace) puts exactly these tokens in its next prompt.
         output_ids = output_run(request_id, max_tokens).token_ids()
@@ -158,9 +271,9 @@ class SimServer:
                     break
                 except OutOfBlocks as e:
                     if not self._release_lowest_pin(exclude=session_id):
-                        return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
+                        raise _Refused(f"{type(e).__name__}: {e}") from None
                 except Exception as e:  # e.g. a prompt larger than the whole KV cache
-                    return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
+                    raise _Refused(f"{type(e).__name__}: {e}") from None
             await asyncio.sleep((result.swap_ms + result.prefill_ms + result.decode_ms) / 1000 * self.time_scale)
             extra = [
                 {
@@ -177,27 +290,30 @@ class SimServer:
                 extra.append({**extra[0], "cached_tokens": swapped_tokens, "tier": "CPU"})  # the host tier's hit
                 extra.append(self._swap_event(session_id, "CPU", "GPU", result.swapped_in_blocks, result.swap_ms))
             self._publish(result.events, extra)
-        response = {
-            "id": request_id,
-            "object": "text_completion",
-            "model": self.engine_id,
-            "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
-            "usage": {
-                "prompt_tokens": result.prompt_tokens,
-                "completion_tokens": len(result.output_token_ids),
-                "total_tokens": result.prompt_tokens + len(result.output_token_ids),
-                # Like vLLM, which counts tokens loaded from an external KV tier as cached: every
-                # prompt token not prefilled (GPU prefix hits and blocks swapped back in).
-                "prompt_tokens_details": {"cached_tokens": result.prompt_tokens - result.computed_tokens},
-            },
-            "agentlog": {
-                "queue_ms": queue_ms,
-                "prefill_ms": result.prefill_ms,
-                "decode_ms": result.decode_ms,
-                "swapped_in_blocks": result.swapped_in_blocks,
-                "replayed": False,
-            },
+        return result, queue_ms
+
+    @staticmethod
+    def _usage(result: SimResult) -> dict[str, Any]:
+        return {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": len(result.output_token_ids),
+            "total_tokens": result.prompt_tokens + len(result.output_token_ids),
+            # Like vLLM, which counts tokens loaded from an external KV tier as cached: every
+            # prompt token not prefilled (GPU prefix hits and blocks swapped back in).
+            "prompt_tokens_details": {"cached_tokens": result.prompt_tokens - result.computed_tokens},
         }
+
+    @staticmethod
+    def _timings(result: SimResult, queue_ms: float) -> dict[str, Any]:
+        return {
+            "queue_ms": queue_ms,
+            "prefill_ms": result.prefill_ms,
+            "decode_ms": result.decode_ms,
+            "swapped_in_blocks": result.swapped_in_blocks,
+            "replayed": False,
+        }
+
+    def _record(self, request_id: str, response: dict[str, Any]) -> None:
         crash_point("engine.before_record")  # computed, not recorded: a retry computes it again
         self.served[request_id] = response
         self.num_served += 1
@@ -206,7 +322,6 @@ class SimServer:
             f.flush()
             os.fsync(f.fileno())
         crash_point("engine.after_record")  # recorded, not answered: a retry is answered from the record
-        return web.json_response(response)
 
     def _release_lowest_pin(self, exclude: str) -> bool:
         """The pressure valve (``CacheControl.release_lowest_pin``): a pinned cache must never turn
@@ -298,9 +413,21 @@ class SimServer:
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self._api_key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self._api_key}".encode()):
+                error = ChatRequestError("incorrect API key", status=401, code="invalid_api_key")
+                return web.json_response(error_json(error), status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._check_key])
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/stats", self.stats)
         app.router.add_get("/kv_events", self.kv_events_after)
         app.router.add_post("/kv_control", self.kv_control)
@@ -314,6 +441,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--state-dir", type=Path, required=True, help="where the record of served requests lives")
     parser.add_argument("--engine-id", default="sim-0")
+    parser.add_argument("--model", default="sim", help="the served model name (GET /v1/models)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("AGENTLOG_SIM_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on /v1/ (default AGENTLOG_SIM_API_KEY; none: no key)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-blocks", type=int, default=8192, help="KV cache capacity in blocks")
     parser.add_argument("--host-blocks", type=int, default=0)
@@ -324,7 +457,13 @@ def main(argv: list[str] | None = None) -> None:
     cache = PagedKVCache(args.block_size, args.gpu_blocks, args.host_blocks)
     engine = SimEngine(cache, CostModel(block_size=args.block_size))
     server = SimServer(
-        engine, args.state_dir, engine_id=args.engine_id, time_scale=args.time_scale, kv_buffer=args.kv_buffer
+        engine,
+        args.state_dir,
+        engine_id=args.engine_id,
+        time_scale=args.time_scale,
+        kv_buffer=args.kv_buffer,
+        model=args.model,
+        api_key=args.api_key,
     )
     web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True, access_log=None)
 

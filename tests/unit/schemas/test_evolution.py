@@ -113,3 +113,23 @@ def test_a_compatible_change_is_accepted() -> None:
     extended["fields"].insert(1, {"name": "tenant", "type": ["null", "string"], "default": None, "doc": "new"})
     assert resolves(current, extended)
     assert resolves(extended, current)
+
+
+def test_an_llm_call_completed_of_release_2_reads_without_tool_calls() -> None:
+    """Release 3 added ``LLMCallCompleted.tool_calls_json`` (null by default): every older record still
+    decodes, and reads as a reply without tool calls."""
+    old = registry.releases()[1]
+    assert old.version == 2
+    body = next(f for f in old.schema["fields"] if f["name"] == "body")
+    written = next(s for s in body["type"] if isinstance(s, dict) and s.get("name") == "LLMCallCompleted")
+    assert "tool_calls_json" not in {f["name"] for f in written["fields"]}
+    datum = sample_datum(old.schema, {})
+    datum["body"] = ("agentlog.LLMCallCompleted", sample_datum(written, {}))
+    buf = io.BytesIO()
+    schemaless_writer(buf, parse_schema(old.schema, named_schemas={}), datum)
+    buf.seek(0)
+    current = parse_schema(registry.expanded_envelope(), named_schemas={})
+    read = schemaless_reader(buf, parse_schema(old.schema, named_schemas={}), current, return_record_name=True)
+    name, record = read["body"]
+    assert name == "agentlog.LLMCallCompleted" and record["tool_calls_json"] is None
+    assert record["output_text"] == "s"

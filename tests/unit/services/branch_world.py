@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -63,6 +64,7 @@ from services.planning import (
     next_move,
 )
 from services.programs import PROGRAMS, Program
+from services.programs.base import ModelToolCall
 from services.session import SessionState, ToolStatus
 from services.tools import TOOLS, ToolSpec
 from workers.runtime import event_id
@@ -89,6 +91,8 @@ class World:
     """Tools the decider aborts (every other proposal is committed)."""
     results: dict[str, Any] = field(default_factory=dict)
     """Tool name -> the result its calls complete with (default ``{"ok": true}``)."""
+    chat: Callable[[CallEngine], tuple[str, tuple[ModelToolCall, ...]]] | None = None
+    """The model of a chat engine: an LLM call's text and tool calls (default: ``"ok"``, none)."""
 
     # ------------------------------------------------------------------ log
 
@@ -168,10 +172,11 @@ class World:
                 self.planner_append_all(decide(state, move, engine_id=ENGINE_ID, tools=self.tools))
                 if crash_in_llm:
                     return True
+                text, calls = self.chat(move) if self.chat else ("ok", ())
                 done = ev.LLMCallCompleted(
                     call_id=move.call_id, engine_id=ENGINE_ID, prompt_tokens=move.prompt.num_tokens, cached_tokens=0,
-                    output_tokens=move.max_output_tokens, output_text="ok", finish_reason="length", queue_ms=0,
-                    prefill_ms=0, decode_ms=0,
+                    output_tokens=move.max_output_tokens, output_text=text, finish_reason="length", queue_ms=0,
+                    prefill_ms=0, decode_ms=0, tool_calls_json=ModelToolCall.list_to_json(calls),
                 )  # fmt: skip
                 self.planner_append_all([llm_completed(state, move, done)])
             case StartSession() | ProposeTool() | FinishSession() | FailSession() | ProposeCompensations():

@@ -24,6 +24,9 @@ What the command line configures, and why:
 - ``--num-gpu-blocks-override`` (a small KV pool to create memory pressure) and
   ``--block-size`` (32 by default: the CPU backend wants multiples of 32);
 - ``--structured-outputs-config`` without free whitespace (guided JSON from a random model);
+- ``--chat-template``: ``chat_template.jinja`` here for a local model that has none (the tiny
+  test model), so ``/v1/chat/completions`` works; with a named ``tool_choice`` vLLM constrains
+  the reply to the function's schema, so no tool parser is needed;
 - on a machine without a GPU: ``--enforce-eager`` (no torch.compile: starts in ~35 s
   instead of ~90 s on 2 cores) and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB).
 
@@ -54,6 +57,7 @@ from workers.engines.vllm.control import CONTROL_ENV
 __all__ = ["VllmServer", "VllmServerConfig", "default_python", "repo_root"]
 
 SCHEDULER = "workers.engines.vllm.scheduler.AgentlogScheduler"
+CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 
 
 def repo_root() -> Path:
@@ -62,6 +66,17 @@ def repo_root() -> Path:
 
 def default_python() -> str:
     return os.environ.get("AGENTLOG_VLLM_PYTHON") or str(repo_root() / ".cache" / "vllm-venv" / "bin" / "python")
+
+
+def needs_chat_template(model: str) -> bool:
+    """Whether ``model`` is a local directory whose tokenizer has no chat template of its own."""
+    config = Path(model) / "tokenizer_config.json"
+    if not config.exists() or (Path(model) / "chat_template.jinja").exists():
+        return False
+    try:
+        return "chat_template" not in json.loads(config.read_text())
+    except ValueError:
+        return False
 
 
 def has_gpu() -> bool:
@@ -91,6 +106,8 @@ class VllmServerConfig:
     python: str = field(default_factory=default_python)
     cpu: bool = field(default_factory=lambda: not has_gpu())
     extra_args: list[str] = field(default_factory=list)
+    chat_template: Path | None = None
+    """A Jinja chat template (default: ``CHAT_TEMPLATE`` for a local model without one)."""
 
     @property
     def url(self) -> str:
@@ -149,6 +166,9 @@ class VllmServerConfig:
             cmd += ["--scheduler-cls", self.scheduler_cls]
         if self.cpu:
             cmd += ["--enforce-eager"]
+        template = self.chat_template or (CHAT_TEMPLATE if needs_chat_template(self.model) else None)
+        if template is not None:
+            cmd += ["--chat-template", str(template)]
         return [*cmd, *self.extra_args]
 
     def env(self) -> dict[str, str]:
@@ -258,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--block-size", type=int, default=32)
     start.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks (small: pressure)")
     start.add_argument("--no-agentlog-scheduler", action="store_true", help="vLLM's own scheduler (no pins)")
+    start.add_argument("--chat-template", type=Path, default=None, help="default: ours for a local model without one")
     start.add_argument("--pid-file", type=Path)
     start.add_argument("--wait-s", type=float, default=600)
     start.add_argument("extra", nargs="*", help="more vLLM arguments, after --")
@@ -280,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         num_gpu_blocks=args.num_gpu_blocks,
         scheduler_cls=None if args.no_agentlog_scheduler else SCHEDULER,
         extra_args=args.extra,
+        chat_template=args.chat_template,
     )
     server = VllmServer(config)
     began = time.monotonic()
