@@ -152,6 +152,7 @@ class LLMCallCompleted(Model):
         default=None,
         description="The tool calls of a chat reply as a JSON list of {id, name, arguments} (arguments: the raw "
         "string the model emitted, malformed or not), or null: none, or a record written before the field existed.",
+        json_schema_extra={"since_release": 3},
     )
 
 
