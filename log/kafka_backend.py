@@ -333,7 +333,16 @@ class KafkaSubscription(KafkaGroupMember, ConsumerRebalanceListener):  # type: i
             session_timeout_ms=6000,
             heartbeat_interval_ms=1000,
         )
-        self._consumer.subscribe([self.backend.physical(t) for t in self.topics], listener=self)
+        physical = [self.backend.physical(t) for t in self.topics]
+        self._consumer.subscribe(physical, listener=self)
+        # Know every topic's partitions before the first poll joins the group. kafka-python
+        # joins with whatever metadata it holds, and right after subscribe() that is the
+        # bootstrap's (no topics): the leader then assigns nothing, and the rejoin that the
+        # next metadata update asks for can hang for good on a busy machine (no heartbeat,
+        # no partitions, no error: tests/integration/test_kafka_group_join.py). Fetched
+        # here (it waits for any refresh in flight first), the first join assigns them all.
+        for topic in physical:
+            self._consumer.partitions_for_topic(topic)
 
     # ConsumerRebalanceListener (called inside poll, on the polling thread). kafka-python
     # rebalances eagerly: every rebalance revokes everything, then assigns the new set.
