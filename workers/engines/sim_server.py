@@ -64,6 +64,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -114,6 +115,40 @@ def text_token_ids(text: str) -> list[int]:
     return [zlib.crc32(word.encode()) % 32_000 for word in text.split()]
 
 
+def _count(value: object, name: str, maximum: int) -> int:
+    """A token count from a request: a whole number from 0 to ``maximum``."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    count = int(value)
+    if not 0 <= count <= maximum:
+        raise ValueError(f"{name} {count} is outside 0..{maximum} (the KV cache holds {maximum} tokens)")
+    return count
+
+
+def _prompt_runs(value: object, capacity: int) -> tuple[TokenRun, ...]:
+    """``prompt_runs``: a list of ``[seed, count]`` pairs, ``capacity`` tokens at most in all."""
+    if not isinstance(value, list):
+        raise TypeError(f"prompt_runs must be a list of [seed, count] pairs, not {type(value).__name__}")
+    runs = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 2:
+            raise TypeError(f"prompt_runs must be a list of [seed, count] pairs, not {item!r:.60}")
+        runs.append(TokenRun(str(item[0]), _count(item[1], "a prompt run's count", capacity)))
+    total = sum(run.count for run in runs)
+    if total > capacity:
+        raise ValueError(f"the prompt has {total} tokens; the KV cache holds {capacity}")
+    return tuple(runs)
+
+
+def _finite(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, not {value!r}")
+    return number
+
+
 class SimServer:
     def __init__(
         self,
@@ -157,18 +192,23 @@ class SimServer:
         return (time.monotonic() - self._started) / max(self.time_scale, 1e-9)
 
     async def completions(self, request: web.Request) -> web.Response:
+        capacity = self.engine.cache.num_gpu_blocks * self.engine.cache.block_size
         try:
             body = await request.json()
+            if not isinstance(body, dict):
+                raise TypeError(f"the body must be a JSON object, not {type(body).__name__}")
             request_id = str(body["request_id"])
             session_id = str(body.get("session_id") or request_id)
-            max_tokens = int(body.get("max_tokens", 16))
-        except (ValueError, KeyError, TypeError) as e:
+            # Bounded by the cache before anything is built: more would never fit, and a huge
+            # count would build a huge token list first.
+            max_tokens = _count(body.get("max_tokens", 16), "max_tokens", capacity)
+            runs = _prompt_runs(body["prompt_runs"], capacity) if "prompt_runs" in body else None
+        except (ValueError, KeyError, TypeError, OverflowError) as e:
             return web.json_response({"error": f"bad request: {e}"}, status=400)
         if request_id in self.served:
             return web.json_response(self._replay(request_id))
-        if "prompt_runs" in body:
-            prompt = Prompt(tuple(TokenRun(str(seed), int(count)) for seed, count in body["prompt_runs"]))
-            token_ids = prompt.token_ids()
+        if runs is not None:
+            token_ids = Prompt(runs).token_ids()
             text = f"<{max_tokens} simulated tokens>"
         else:
             token_ids = text_token_ids(str(body.get("prompt", "")))
@@ -382,12 +422,14 @@ class SimServer:
     async def kv_control(self, request: web.Request) -> web.Response:
         try:
             body = await request.json()
+            if not isinstance(body, dict):
+                raise TypeError(f"the body must be a JSON object, not {type(body).__name__}")
             session_id = SessionId(str(body["session_id"]))
             action = CacheAction(body["action"])
             ttl_ms = body.get("ttl_ms")
-            ttl_s = None if ttl_ms is None else float(ttl_ms) / 1000
-            score = float(body.get("score") or 0.0)
-        except (ValueError, KeyError, TypeError) as e:
+            ttl_s = None if ttl_ms is None else _finite(ttl_ms, "ttl_ms") / 1000
+            score = _finite(body.get("score") or 0.0, "score")
+        except (ValueError, KeyError, TypeError, OverflowError) as e:
             return web.json_response({"error": f"bad request: {e}"}, status=400)
         cache = self.engine.cache
         async with self._lock:
