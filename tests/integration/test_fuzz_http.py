@@ -50,6 +50,23 @@ COMPLETION = st.fixed_dictionaries(
         "prompt_runs": VALUES,
     },
 )
+MESSAGES = st.lists(
+    st.fixed_dictionaries({}, optional={"role": VALUES, "content": VALUES, "tool_calls": VALUES, "name": VALUES}),
+    max_size=3,
+)
+CHAT = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from(["fuzz-0", "sim", ""]) | VALUES,
+        "messages": MESSAGES | VALUES,
+        "max_tokens": VALUES,
+        "tools": VALUES,
+        "tool_choice": VALUES,
+        "request_id": VALUES,
+        "session_id": VALUES,
+        "stream": VALUES,
+    },
+)
 CONTROL = st.fixed_dictionaries(
     {}, optional={"session_id": VALUES, "action": VALUES, "ttl_ms": VALUES, "score": VALUES}
 )
@@ -108,13 +125,22 @@ def test_completions_answer_any_json_with_a_result_or_a_4xx(served: Served, body
 
 
 @FUZZ
+@given(body=JSON | CHAT)
+def test_chat_completions_answer_any_json_with_a_result_or_a_4xx(served: Served, body: Any) -> None:
+    status, answer = served.request("POST", "/v1/chat/completions", json=body)
+    assert status < 500, answer
+    if status >= 400:
+        assert isinstance(answer, dict) and answer.get("error"), answer  # OpenAI's {"error": {"message", ...}}
+
+
+@FUZZ
 @given(body=JSON | CONTROL)
 def test_kv_control_answers_any_json_with_a_result_or_a_4xx(served: Served, body: Any) -> None:
     _check(*served.request("POST", "/kv_control", json=body))
 
 
 @FUZZ
-@given(data=st.binary(max_size=64), path=st.sampled_from(["/v1/completions", "/kv_control"]))
+@given(data=st.binary(max_size=64), path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/kv_control"]))
 def test_a_body_that_is_not_json_is_a_400(served: Served, data: bytes, path: str) -> None:
     status, answer = served.request("POST", path, data=data, headers={"Content-Type": "application/json"})
     _check(status, answer)
