@@ -76,6 +76,10 @@ OPS_COMMANDS = Topic(
         ev.MergeRequested,
     ),
 )
+AGENT_GATEWAY = Topic("agent.gateway", "gateway", (ev.GatewayLLMCallServed, ev.GatewayToolResultReported))
+"""What external agents did through the OpenAI-compatible gateway (workers/gateway): the gateway's
+claims, which the planner (agent.actions) and the executor (agent.effects) adopt into the session's
+story; docs/architecture.md says why the gateway writes nothing else."""
 AGENT_DLQ = Topic("agent.dlq", ANY_ACTOR, (ev.RecordDeadLettered,), infinite_retention=False)
 
 TOPICS: tuple[Topic, ...] = (
@@ -85,6 +89,7 @@ TOPICS: tuple[Topic, ...] = (
     KV_EVENTS,
     KV_DECISIONS,
     OPS_COMMANDS,
+    AGENT_GATEWAY,
     AGENT_DLQ,
 )
 """Every topic, in a fixed order (also the tie-break when merging topics by time)."""

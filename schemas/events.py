@@ -421,6 +421,57 @@ class RecordDeadLettered(Model):
     raw_value: bytes = Field(description="The record's bytes, unchanged.")
 
 
+# ------------------------------------------------------------- agent.gateway
+
+
+class GatewayLLMCallServed(Model):
+    """The gateway recorded an external agent's chat completion before the client saw it."""
+
+    call_id: str = Field(description="The LLM call's id within its session (llm-<step>).")
+    turn: int = Field(description="Zero-based number of this call among the session's LLM calls.")
+    model: str = Field(description="The model the client asked for.")
+    engine_id: str = Field(description="The engine instance that served the call.")
+    request_digest: str = Field(
+        description="SHA-256 hex of the request (model, messages, tools, options): same for a re-sent one."
+    )
+    idempotency_key: str | None = Field(default=None, description="The client's Idempotency-Key header, or null.")
+    prompt_digest: str = Field(description="SHA-256 hex digest of the messages and tools.")
+    prompt_tokens: int = Field(description="Tokens in the prompt as the engine counted them.")
+    cached_tokens: int = Field(description="Prompt tokens served from the KV cache.")
+    output_tokens: int = Field(description="Tokens generated.")
+    max_output_tokens: int = Field(description="The client's max_tokens, or 0 when it gave none.")
+    output_text: str = Field(description="The assistant message's text (may be empty when it only calls tools).")
+    tool_calls_json: str = Field(
+        description="The tool calls: a JSON list of {call_id (tool-<step>), id (the client's), name, arguments}."
+    )
+    finish_reason: str = Field(description="Why generation stopped (stop, length, tool_calls).")
+    response_id: str = Field(description="The id of the completion the client got.")
+    created: int = Field(description="The completion's created time (Unix seconds), as the client got it.")
+    queue_ms: float = Field(
+        description="Milliseconds the request waited in the engine (0 when the engine does not say)."
+    )
+    prefill_ms: float = Field(
+        description="Milliseconds the engine spent on the uncached prompt (0 when it does not say)."
+    )
+    decode_ms: float = Field(description="Milliseconds the engine spent generating (0 when it does not say).")
+    engine_ms: float = Field(description="Milliseconds from the gateway's request to the engine's last byte.")
+    stream: bool = Field(description="Whether the client asked for server-sent events.")
+
+
+class GatewayToolResultReported(Model):
+    """An external agent reported the result of a tool call it ran itself (recorded, never run)."""
+
+    call_id: str = Field(description="The tool call's id within its session (tool-<step>).")
+    tool_call_id: str = Field(description="The id the client knows the call by.")
+    result_json: str = Field(description="The tool message's content as JSON (a JSON string unless it was JSON).")
+    result_tokens: int = Field(
+        description="Estimated tokens the result adds to the context (characters / 4, rounded up)."
+    )
+    gap_ms: float = Field(
+        description="Milliseconds from the call's release to the client until the client reported its result."
+    )
+
+
 EVENT_TYPES: tuple[type[Model], ...] = (
     SessionStarted,
     SessionFinished,
@@ -454,6 +505,8 @@ EVENT_TYPES: tuple[type[Model], ...] = (
     MergeRequested,
     RecordDeadLettered,
     SessionRequested,
+    GatewayLLMCallServed,
+    GatewayToolResultReported,
 )
 """Every body type, in the order of the envelope's ``body`` union (new types go at the end)."""
 
@@ -493,5 +546,7 @@ Event = (
     | MergeRequested
     | RecordDeadLettered
     | SessionRequested
+    | GatewayLLMCallServed
+    | GatewayToolResultReported
 )
 """Any event body."""

@@ -25,6 +25,7 @@ def test_owners_match_the_design() -> None:
         "kv.events": "engine-bridge",
         "kv.decisions": "cache-manager",
         "ops.commands": "operator",
+        "agent.gateway": "gateway",
         "agent.dlq": "*",
     }
 
