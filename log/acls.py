@@ -78,6 +78,7 @@ _KV_EVENTS = topic_table.KV_EVENTS.name
 _KV_DECISIONS = topic_table.KV_DECISIONS.name
 _OPS = topic_table.OPS_COMMANDS.name
 _DLQ = topic_table.AGENT_DLQ.name
+_GATEWAY = topic_table.AGENT_GATEWAY.name
 
 
 @dataclass(frozen=True)
@@ -102,13 +103,16 @@ class Role:
 
 
 ROLES: tuple[Role, ...] = (
-    Role("planner", (_ACTIONS, _VERDICTS, _EFFECTS, _OPS), groups=("planner",)),
+    Role("planner", (_ACTIONS, _VERDICTS, _EFFECTS, _OPS, _GATEWAY), groups=("planner",)),
     Role("decider", (_ACTIONS, _OPS, _VERDICTS), groups=("decider",)),
-    Role("executor", (_VERDICTS, _ACTIONS, _EFFECTS, _OPS), groups=("executor",)),
+    Role("executor", (_VERDICTS, _ACTIONS, _EFFECTS, _OPS, _GATEWAY), groups=("executor",)),
     Role("cache-manager", ALL_TOPICS, groups=("cache-manager",)),
     # One bridge per engine instance, each in its own group (``engine-bridge.<engine id>``): every
     # bridge must see every decision and apply those for its engine.
     Role("engine-bridge", (_KV_DECISIONS, _KV_EVENTS), group_prefixes=("engine-bridge",)),
+    # The OpenAI-compatible gateway (workers/gateway) writes only agent.gateway and reads the
+    # verdicts on the tool calls it proxies (docs/architecture.md, "The gateway").
+    Role("gateway", (_GATEWAY, _VERDICTS), groups=("gateway",)),
     # ``logctl projector rebuild`` reads in a group of its own (``projector-rebuild-<id>``).
     Role("projector", ALL_TOPICS, groups=("projector",), group_prefixes=("projector-",)),
     Role("operator", ALL_TOPICS, group_prefixes=("operator", LOGCTL_GROUP_PREFIX)),

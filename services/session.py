@@ -89,6 +89,10 @@ def fork_step_id(step: int, generation: int = 0) -> CheckpointId:
 
 COMPENSATION_PREFIX = "undo."
 
+GATEWAY_PROGRAM = "gateway"
+"""The program name of a session an external agent drives through the gateway (workers/gateway):
+the planner hosts no program for it, it adopts the gateway's records (``gateway_calls``) instead."""
+
 
 def compensation_call_id(call_id: str) -> str:
     """The id of the call that undoes ``call_id`` during a restore."""
@@ -239,6 +243,10 @@ class SessionState:
     answered: set[str] = field(default_factory=set)
     """Event ids of operator commands some event has answered (its causation id)."""
     fork_requests: list[tuple[str, ev.ForkRequested]] = field(default_factory=list)
+    gateway_calls: dict[str, ev.GatewayLLMCallServed] = field(default_factory=dict)
+    """A gateway session's LLM calls as the gateway recorded them (agent.gateway), by call id."""
+    gateway_results: dict[str, ev.GatewayToolResultReported] = field(default_factory=dict)
+    """The tool results its client reported (agent.gateway), by tool call id."""
 
     def __post_init__(self) -> None:
         self.context_id = self.context_id or self.session_id
@@ -375,6 +383,14 @@ def _evolve(state: SessionState, body: ev.Event) -> None:
             state.failure = body.reason
         case ev.CancelRequested():
             state.cancel_requested = True
+        case ev.GatewayLLMCallServed():
+            # The gateway's first record of a session is its request: the planner starts it.
+            if state.status is None:
+                state.status = SessionStatus.REQUESTED
+                state.program = GATEWAY_PROGRAM
+            state.gateway_calls.setdefault(body.call_id, body)
+        case ev.GatewayToolResultReported():
+            state.gateway_results.setdefault(body.call_id, body)
         case ev.LLMCallStarted():
             state.llm_calls.setdefault(body.call_id, LLMCall(body.call_id, body))
         case ev.LLMCallCompleted():

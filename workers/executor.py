@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from log import LoggedEvent, SharedLog
-from log.topics import AGENT_ACTIONS, AGENT_EFFECTS, AGENT_VERDICTS, OPS_COMMANDS
+from log.topics import AGENT_ACTIONS, AGENT_EFFECTS, AGENT_GATEWAY, AGENT_VERDICTS, OPS_COMMANDS
 from schemas import events as ev
 from schemas.events import ApprovalDecision
+from services.gateway import adopt_results
 from services.registry import Registry
-from services.session import SessionState, ToolCall, ToolStatus
+from services.session import GATEWAY_PROGRAM, SessionState, ToolCall, ToolStatus
 from workers.config import add_snapshot_arguments, open_snapshot_store
 from workers.crash import crash_point
 from workers.plugins import builtin_registry
@@ -49,7 +50,8 @@ _log = logging.getLogger(__name__)
 
 class ExecutorWorker(SessionWorker):
     role = "executor"
-    topics = (AGENT_VERDICTS.name, AGENT_ACTIONS.name, AGENT_EFFECTS.name, OPS_COMMANDS.name)
+    # agent.gateway: the results external agents report for the calls they ran themselves.
+    topics = (AGENT_VERDICTS.name, AGENT_ACTIONS.name, AGENT_EFFECTS.name, OPS_COMMANDS.name, AGENT_GATEWAY.name)
     reports_duplicate_verdicts = True
     acts_on = frozenset({ToolStatus.COMMITTED, ToolStatus.STARTED, ToolStatus.IN_DOUBT})
 
@@ -101,7 +103,15 @@ class ExecutorWorker(SessionWorker):
 
     # ---------------------------------------------------------------- recovery
 
+    async def _record_reported(self, state: SessionState) -> None:
+        """A gateway session's calls are run by its client, never here: record what it reported."""
+        for a in adopt_results(state):
+            await self.append(a.session_id, a.body, kind=a.kind, key=a.key, cause=a.cause)
+
     async def resume(self, state: SessionState) -> None:
+        if state.program == GATEWAY_PROGRAM:
+            await self._record_reported(state)
+            return
         for tool in list(state.tool_calls.values()):
             if tool.status is ToolStatus.COMMITTED:
                 self._start(state, tool, attempt=1)
@@ -118,6 +128,10 @@ class ExecutorWorker(SessionWorker):
         # A verdict may be read before its proposal (topics are ordered only within
         # themselves), so act on whichever of the two completes the picture.
         body = event.body
+        if state.program == GATEWAY_PROGRAM:
+            if isinstance(body, ev.GatewayToolResultReported | ev.ToolCallCommitted | ev.ToolCallProposed):
+                await self._record_reported(state)
+            return
         if isinstance(body, ev.ToolCallCommitted | ev.ToolCallProposed | ev.ApprovalGiven):
             tool = state.tool_calls.get(body.call_id)
             if tool is None:

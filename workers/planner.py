@@ -43,7 +43,7 @@ from typing import Any
 
 from log import LoggedEvent, SharedLog
 from log.snapshots import SnapshotStore
-from log.topics import SESSION_TOPICS
+from log.topics import AGENT_GATEWAY, SESSION_TOPICS
 from schemas import events as ev
 from schemas.events import CheckpointId
 from services.checkpoint import (
@@ -63,6 +63,7 @@ from services.decide import (
     merge_outcome,
     restore_applied,
 )
+from services.gateway import adopt
 from services.planning import (
     ApplyRestore,
     CallEngine,
@@ -84,7 +85,7 @@ from services.programs import Program
 from services.programs.base import ModelToolCall
 from services.registry import Registry
 from services.replay import cut_events
-from services.session import SessionState
+from services.session import GATEWAY_PROGRAM, SessionState
 from workers.config import log_namespace, snapshot_url
 from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable
@@ -102,7 +103,8 @@ ENGINE_RETRY_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 
 class PlannerWorker(SessionWorker):
     role = "planner"
-    topics = SESSION_TOPICS
+    # agent.gateway: the gateway's records of external agents' calls, which the planner adopts.
+    topics = (*SESSION_TOPICS, AGENT_GATEWAY.name)
     reports_unknown_sessions = True
     reconcile_every_s = 5.0
 
@@ -220,6 +222,10 @@ class PlannerWorker(SessionWorker):
 
     async def _step(self, state: SessionState) -> bool:
         """Carry out one move; True when there may be another one right away."""
+        if state.program == GATEWAY_PROGRAM:
+            # An external agent's session: no program here, only the gateway's records to adopt.
+            await self._append_all(adopt(state, self.tools))
+            return False
         await self._fork_requests(state)
         program = self.programs.get(state.program)
         move = next_move(state, program, checkpoint_every=self.checkpoint_every, tools=self.tools)
