@@ -1,0 +1,717 @@
+"""The OpenAI-compatible gateway: an existing agent changes its base URL and gets agentlog.
+
+``POST /v1/chat/completions`` (plain and ``stream: true``) and ``GET /v1/models``, in
+OpenAI's format, in front of an engine's ``/v1/chat/completions`` (the sim engine or vLLM).
+Each request names its session in the ``X-Agentlog-Session`` header; a request without one
+is refused (400, ``missing_session``): a session is the unit everything else is about, and
+guessing one would merge or split agents silently.
+
+For each completion the gateway
+
+1. refuses a bad request before anything is appended: 401 ``invalid_api_key`` (keys from
+   ``AGENTLOG_GATEWAY_API_KEYS``, comma-separated, or ``--api-keys-file``, one per line; with
+   none configured the gateway is open and says so at startup; keys are never logged),
+   400 ``invalid_request_error`` (not JSON, no messages, no session), 404 ``model_not_found``,
+   429 ``rate_limit_exceeded`` (``--max-requests-per-minute`` per session, with Retry-After);
+2. answers a repeated request from the log without calling the engine: the same
+   ``Idempotency-Key`` header, or the same session and the same request
+   (``services.gateway.request_digest``);
+3. records the ``tool`` messages that answer calls it released as
+   ``GatewayToolResultReported`` with the gap (release to report);
+4. forwards the request to the engine with ``session_id`` and a deterministic ``request_id``
+   (so the engine's cache manager sees the session, and a retry after a crash is the
+   engine's replay, not a second computation); streamed text passes through chunk by chunk;
+5. appends ``GatewayLLMCallServed`` (durable before the client sees the end of the answer);
+   the planner adopts it into the session's LLM call and tool proposals, the decider votes;
+6. waits for each tool call's verdict (a held call waits for ``logctl approve``): committed
+   calls reach the client, an aborted one is replaced by a text the agent can read
+   (``services.gateway.refusal_text``).
+
+The gateway writes only agent.gateway and reads agent.gateway (its journal: steps,
+idempotency, released calls) and agent.verdicts. It serves once it has read both to their
+end. Requests of one session are served one at a time (their steps are numbered in order).
+
+Run: ``python -m workers.gateway [--log-url URL] --engine-url http://127.0.0.1:8100
+[--port 8200] [--models NAMES] [--api-keys-file FILE] [--max-requests-per-minute N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from log import Draft, LoggedEvent, SharedLog
+from log.topics import AGENT_GATEWAY, AGENT_VERDICTS
+from schemas import events as ev
+from services.gateway import (
+    GatewayToolCall,
+    RateLimiter,
+    estimate_tokens,
+    llm_step_id,
+    prompt_digest,
+    refusal_text,
+    reported_tool_results,
+    request_digest,
+    result_json,
+    tool_calls_of,
+)
+from services.session import step_of, tool_call_id
+from workers.worker import EventIds, Worker
+
+__all__ = ["GATEWAY_EVENT_IDS", "GatewayWorker", "SESSION_HEADER"]
+
+_log = logging.getLogger(__name__)
+
+SESSION_HEADER = "X-Agentlog-Session"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+GATEWAY_EVENT_IDS = EventIds(uuid.UUID("0b6c4f7e-2d1a-4c8e-9f35-7a2e61d0c4b9"))
+"""``(session id, kind, call id)``: a record appended again after a crash lands once."""
+_SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}$")
+
+Verdict = ev.ToolCallCommitted | ev.ToolCallAborted
+
+
+class RequestError(Exception):
+    """A request the gateway refuses, in OpenAI's error format; nothing is appended for it."""
+
+    def __init__(self, status: int, message: str, *, type_: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.code, self.param = status, type_, code, param
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        error = {"message": str(self), "type": self.type, "param": self.param, "code": self.code}
+        return web.json_response({"error": error}, status=self.status, headers=headers)
+
+
+def _bad_request(message: str, param: str | None = None, code: str = "invalid_request_error") -> RequestError:
+    return RequestError(400, message, type_="invalid_request_error", code=code, param=param)
+
+
+@dataclass
+class GatewaySession:
+    """What the gateway knows of one session, from agent.gateway and agent.verdicts."""
+
+    session_id: str
+    calls: dict[str, ev.GatewayLLMCallServed] = field(default_factory=dict)
+    served_at: dict[str, datetime] = field(default_factory=dict)
+    by_key: dict[str, str] = field(default_factory=dict)
+    by_digest: dict[str, str] = field(default_factory=dict)
+    reported: set[str] = field(default_factory=set)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def record(self, served: ev.GatewayLLMCallServed, at: datetime) -> None:
+        self.calls.setdefault(served.call_id, served)
+        self.served_at.setdefault(served.call_id, at)
+        if served.idempotency_key is not None:
+            self.by_key.setdefault(served.idempotency_key, served.call_id)
+        self.by_digest.setdefault(served.request_digest, served.call_id)
+
+    @property
+    def next_step(self) -> int:
+        return max((step_of(c) + 1 + len(tool_calls_of(s)) for c, s in self.calls.items()), default=0)
+
+    def released(self) -> list[tuple[GatewayToolCall, datetime]]:
+        """Every tool call the client may have received, with when its answer was recorded."""
+        return [(t, self.served_at[c]) for c, s in self.calls.items() for t in tool_calls_of(s)]
+
+
+class GatewayWorker(Worker):
+    role = "gateway"
+    topics = (AGENT_GATEWAY.name, AGENT_VERDICTS.name)
+    event_ids = GATEWAY_EVENT_IDS
+
+    def __init__(
+        self,
+        log: SharedLog,
+        *,
+        engine_url: str,
+        engine_id: str = "sim-0",
+        models: tuple[str, ...] = (),
+        api_keys: frozenset[str] = frozenset(),
+        host: str = "127.0.0.1",
+        port: int = 8200,
+        max_requests_per_minute: int = 600,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(log, **kwargs)
+        self.engine_url = engine_url.rstrip("/")
+        self.engine_id = engine_id
+        self.models = models
+        self.api_keys = api_keys
+        self.host, self.port = host, port
+        self.limiter = RateLimiter(max_requests_per_minute)
+        self.sessions: dict[str, GatewaySession] = {}
+        self.verdicts: dict[tuple[str, str], Verdict] = {}
+        self._waiters: dict[tuple[str, str], list[asyncio.Future[Verdict]]] = {}
+        self._http: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self.ready = asyncio.Event()
+        """Set once the journal is read to its end and the HTTP server listens."""
+        self.num_engine_requests = 0
+        self.num_replayed = 0
+
+    # ------------------------------------------------------------ process
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        env = os.environ.get
+        parser.add_argument("--engine-url", default=env("AGENTLOG_ENGINE_URL", "http://127.0.0.1:8100"))
+        parser.add_argument("--engine-id", default=env("AGENTLOG_ENGINE_ID", "sim-0"))
+        parser.add_argument("--host", default=env("AGENTLOG_GATEWAY_HOST", "127.0.0.1"))
+        parser.add_argument("--port", type=int, default=int(env("AGENTLOG_GATEWAY_PORT", "8200")))
+        parser.add_argument(
+            "--models",
+            default=env("AGENTLOG_GATEWAY_MODELS", ""),
+            help="comma-separated model names served (default: the engine's /v1/models)",
+        )
+        parser.add_argument(
+            "--api-keys-file",
+            type=Path,
+            default=env("AGENTLOG_GATEWAY_API_KEYS_FILE"),
+            help="one API key per line (besides AGENTLOG_GATEWAY_API_KEYS, comma-separated)",
+        )
+        parser.add_argument(
+            "--max-requests-per-minute",
+            type=int,
+            default=int(env("AGENTLOG_GATEWAY_MAX_RPM", "600")),
+            help="per session; more gets 429",
+        )
+
+    @classmethod
+    async def create(cls, log: SharedLog, args: argparse.Namespace) -> GatewayWorker:
+        models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+        return cls(
+            log,
+            engine_url=args.engine_url,
+            engine_id=args.engine_id,
+            models=models,
+            api_keys=load_api_keys(args.api_keys_file),
+            host=args.host,
+            port=args.port,
+            max_requests_per_minute=args.max_requests_per_minute,
+            group=args.group,
+            instance_id=args.instance_id,
+        )
+
+    async def prepare(self) -> None:
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        if not self.models:
+            self.models = await self._engine_models()
+        if not self.api_keys:
+            _log.warning("gateway: no API keys configured, every client is let in")
+        self.set_boundaries({t: await self.log.end_offsets(t) for t in self.topics})
+
+    async def _engine_models(self) -> tuple[str, ...]:
+        assert self._http is not None
+        try:
+            async with self._http.get(f"{self.engine_url}/v1/models") as r:
+                if r.status == 200:
+                    names = tuple(str(m["id"]) for m in (await r.json()).get("data", []))
+                    if names:
+                        return names
+        except (aiohttp.ClientError, OSError, ValueError, KeyError):
+            pass
+        _log.warning("gateway: the engine lists no models; serving 'sim' (set --models)")
+        return ("sim",)
+
+    async def closed(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                waiter.cancel()
+
+    # ------------------------------------------------------------ journal
+
+    def session(self, session_id: str) -> GatewaySession:
+        if (s := self.sessions.get(session_id)) is None:
+            s = self.sessions[session_id] = GatewaySession(session_id)
+        return s
+
+    async def handle(self, events: list[LoggedEvent]) -> None:
+        for event in events:
+            self._fold(event.session_id, event.body, event.envelope.occurred_at)
+        consumer = self.consumer
+        assert consumer is not None
+        if self._runner is None and self.replay_done(consumer, list(self._boundary)):
+            await self._serve()
+
+    def _fold(self, session_id: str, body: ev.Event, at: datetime) -> None:
+        match body:
+            case ev.GatewayLLMCallServed():
+                self.session(session_id).record(body, at)
+            case ev.GatewayToolResultReported():
+                self.session(session_id).reported.add(body.call_id)
+            case ev.ToolCallCommitted() | ev.ToolCallAborted():
+                key = (session_id, body.call_id)
+                self.verdicts.setdefault(key, body)
+                for waiter in self._waiters.pop(key, []):
+                    if not waiter.done():
+                        waiter.set_result(self.verdicts[key])
+
+    async def _append(self, session_id: str, body: ev.Event, kind: str, key: str) -> datetime:
+        at = self.log.clock()
+        await self.log.append_many([Draft(session_id, body, self.event_ids(session_id, kind, key), None, at)])
+        self._fold(session_id, body, at)
+        return at
+
+    async def _verdict(self, session_id: str, call_id: str) -> Verdict:
+        key = (session_id, call_id)
+        if (verdict := self.verdicts.get(key)) is not None:
+            return verdict
+        waiter: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(key, []).append(waiter)
+        return await waiter
+
+    # ------------------------------------------------------------ HTTP
+
+    async def _serve(self) -> None:
+        app = web.Application(client_max_size=32 * 1024**2)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/health", self.health)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        _log.info("gateway: serving on http://%s:%d (models %s)", self.host, self.port, ", ".join(self.models))
+        self.ready.set()
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "sessions": len(self.sessions)})
+
+    def _authorize(self, request: web.Request) -> None:
+        if not self.api_keys:
+            return
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not any(hmac.compare_digest(given.encode(), k.encode()) for k in self.api_keys):
+            raise RequestError(
+                401, "Incorrect API key provided.", type_="invalid_request_error", code="invalid_api_key"
+            )
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        try:
+            self._authorize(request)
+        except RequestError as e:
+            return e.response()
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "agentlog"} for m in self.models]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _parse(self, request: web.Request) -> tuple[str, dict[str, Any]]:
+        self._authorize(request)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise _bad_request("The request body is not valid JSON.") from None
+        if not isinstance(body, dict):
+            raise _bad_request("The request body must be a JSON object.")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise _bad_request("'messages' must be a non-empty list of message objects.", "messages")
+        if not isinstance(body.get("model"), str):
+            raise _bad_request("'model' is required and must be a string.", "model")
+        if body.get("n", 1) != 1:
+            raise _bad_request("Only n=1 is supported.", "n")
+        session_id = request.headers.get(SESSION_HEADER, "").strip()
+        if not session_id:
+            raise _bad_request(
+                f"Every request needs a session id: send the {SESSION_HEADER} header.", None, "missing_session"
+            )
+        if not _SESSION_ID.match(session_id):
+            raise _bad_request(f"Invalid {SESSION_HEADER}: letters, digits and ._:@- only, at most 200.", None)
+        if body["model"] not in self.models:
+            raise RequestError(
+                404,
+                f"The model '{body['model']}' does not exist; this gateway serves {', '.join(self.models)}.",
+                type_="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        return session_id, body
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            session_id, body = await self._parse(request)
+        except RequestError as e:
+            return e.response()
+        idem = request.headers.get(IDEMPOTENCY_HEADER) or None
+        stream = bool(body.get("stream"))
+        session = self.session(session_id)
+        async with session.lock:
+            served = self._lookup(session, idem, request_digest(body))
+            if served is not None:
+                self.num_replayed += 1
+                return await self._respond(request, session_id, served, stream, body, replay=True)
+            now = time.monotonic()
+            if not self.limiter.allow(session_id, now):
+                retry = max(1, round(self.limiter.retry_after_s(session_id, now)))
+                error = RequestError(
+                    429,
+                    f"Session {session_id} is over its rate limit of {self.limiter.max_requests} requests a minute.",
+                    type_="requests",
+                    code="rate_limit_exceeded",
+                )
+                return error.response({"Retry-After": str(retry)})
+            await self._record_results(session, body["messages"])
+            step = session.next_step
+            if stream:
+                return await self._stream(request, session, body, idem, step)
+            try:
+                answer = await self._engine_json(session_id, body, step)
+            except RequestError as e:
+                return e.response()
+            served = await self._record(session, body, idem, step, answer, stream=False)
+            return await self._respond(request, session_id, served, False, body, replay=False)
+
+    def _lookup(self, session: GatewaySession, idem: str | None, digest: str) -> ev.GatewayLLMCallServed | None:
+        call_id = session.by_key.get(idem) if idem is not None else session.by_digest.get(digest)
+        return session.calls.get(call_id) if call_id is not None else None
+
+    async def _record_results(self, session: GatewaySession, messages: list[dict[str, Any]]) -> None:
+        now = self.log.clock()
+        released = session.released()
+        served_at = {t.call_id: at for t, at in released}
+        for call, content in reported_tool_results(messages, [t for t, _ in released]):
+            if call.call_id in session.reported:
+                continue
+            verdict = self.verdicts.get((session.session_id, call.call_id))
+            if not isinstance(verdict, ev.ToolCallCommitted):
+                continue  # the client never got this call (aborted): nothing it reports about it ran
+            text = content if isinstance(content, str) else json.dumps(content)
+            reported = ev.GatewayToolResultReported(
+                call_id=call.call_id,
+                tool_call_id=call.id,
+                result_json=result_json(content),
+                result_tokens=estimate_tokens(text),
+                gap_ms=max(0.0, (now - served_at[call.call_id]).total_seconds() * 1000),
+            )
+            await self._append(session.session_id, reported, "reported", call.call_id)
+
+    # ------------------------------------------------------------ engine
+
+    def _engine_body(self, session_id: str, body: dict[str, Any], step: int) -> dict[str, Any]:
+        call_id = llm_step_id(step)
+        return {**body, "session_id": session_id, "request_id": f"{session_id}/{call_id}"}
+
+    async def _engine_json(self, session_id: str, body: dict[str, Any], step: int) -> dict[str, Any]:
+        assert self._http is not None
+        payload = self._engine_body(session_id, {**body, "stream": False}, step)
+        began = time.monotonic()
+        self.num_engine_requests += 1
+        try:
+            async with self._http.post(f"{self.engine_url}/v1/chat/completions", json=payload) as r:
+                answer = await r.json(content_type=None)
+                if r.status != 200:
+                    raise _engine_error(r.status, answer)
+        except (aiohttp.ClientError, OSError, ValueError) as e:
+            raise RequestError(
+                502, f"The engine failed: {type(e).__name__}", type_="server_error", code="engine_error"
+            ) from None
+        answer["_engine_ms"] = (time.monotonic() - began) * 1000
+        return dict(answer)
+
+    async def _record(
+        self,
+        session: GatewaySession,
+        body: dict[str, Any],
+        idem: str | None,
+        step: int,
+        answer: dict[str, Any],
+        *,
+        stream: bool,
+    ) -> ev.GatewayLLMCallServed:
+        choice = (answer.get("choices") or [{}])[0]
+        message = choice.get("message") or {}
+        usage = answer.get("usage") or {}
+        timing = answer.get("agentlog") or {}
+        tools = [
+            GatewayToolCall(
+                call_id=str(tool_call_id(step + 1 + i)),
+                id=str(t.get("id") or f"call_{step + 1 + i}"),
+                name=str(t.get("function", {}).get("name", "")),
+                arguments=str(t.get("function", {}).get("arguments", "")),
+            )
+            for i, t in enumerate(message.get("tool_calls") or [])
+        ]
+        served = ev.GatewayLLMCallServed(
+            call_id=llm_step_id(step),
+            turn=len(session.calls),
+            model=str(body["model"]),
+            engine_id=self.engine_id,
+            request_digest=request_digest(body),
+            idempotency_key=idem,
+            prompt_digest=prompt_digest(body),
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0),
+            output_tokens=int(usage.get("completion_tokens", 0)),
+            max_output_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens") or 0),
+            output_text=str(message.get("content") or ""),
+            tool_calls_json=json.dumps([t.as_json() for t in tools]),
+            finish_reason=str(choice.get("finish_reason") or "stop"),
+            response_id=str(answer.get("id") or f"chatcmpl-{uuid.uuid4().hex}"),
+            created=int(answer.get("created") or time.time()),
+            queue_ms=float(timing.get("queue_ms", 0.0)),
+            prefill_ms=float(timing.get("prefill_ms", 0.0)),
+            decode_ms=float(timing.get("decode_ms", 0.0)),
+            engine_ms=float(answer.get("_engine_ms", 0.0)),
+            stream=stream,
+        )
+        await self._append(session.session_id, served, "served", served.call_id)
+        return served
+
+    # ------------------------------------------------------------ answers
+
+    async def _final_message(
+        self, session_id: str, served: ev.GatewayLLMCallServed
+    ) -> tuple[str, list[GatewayToolCall], str]:
+        """The text, the tool calls the client may see, and the finish reason, once every call has a verdict."""
+        text, allowed = served.output_text, []
+        refusals = []
+        for call in tool_calls_of(served):
+            verdict = await self._verdict(session_id, call.call_id)
+            if isinstance(verdict, ev.ToolCallCommitted):
+                allowed.append(call)
+            else:
+                refusals.append(refusal_text(call, verdict.reason))
+        if refusals:
+            text = "\n".join([text, *refusals]) if text else "\n".join(refusals)
+        finish = served.finish_reason
+        if finish == "tool_calls" and not allowed:
+            finish = "stop"
+        return text, allowed, finish
+
+    @staticmethod
+    def _usage(served: ev.GatewayLLMCallServed) -> dict[str, Any]:
+        return {
+            "prompt_tokens": served.prompt_tokens,
+            "completion_tokens": served.output_tokens,
+            "total_tokens": served.prompt_tokens + served.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": served.cached_tokens},
+        }
+
+    async def _respond(
+        self,
+        request: web.Request,
+        session_id: str,
+        served: ev.GatewayLLMCallServed,
+        stream: bool,
+        body: dict[str, Any],
+        *,
+        replay: bool,
+    ) -> web.StreamResponse:
+        text, allowed, finish = await self._final_message(session_id, served)
+        headers = {"X-Agentlog-Call": served.call_id, "X-Agentlog-Replayed": "true" if replay else "false"}
+        if not stream:
+            message: dict[str, Any] = {"role": "assistant", "content": text or None}
+            if allowed:
+                message["tool_calls"] = [c.as_openai() for c in allowed]
+            completion = {
+                "id": served.response_id,
+                "object": "chat.completion",
+                "created": served.created,
+                "model": served.model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                "usage": self._usage(served),
+            }
+            return web.json_response(completion, headers=headers)
+        response = await self._open_sse(request, headers)
+        await self._send_tail(response, served, [{"role": "assistant", "content": text}], allowed, finish, body)
+        return response
+
+    async def _open_sse(self, request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        return response
+
+    @staticmethod
+    async def _sse(response: web.StreamResponse, data: dict[str, Any] | str) -> None:
+        text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+        await response.write(f"data: {text}\n\n".encode())
+
+    def _chunk(
+        self, served: ev.GatewayLLMCallServed, delta: dict[str, Any], finish: str | None = None
+    ) -> dict[str, Any]:
+        return {
+            "id": served.response_id,
+            "object": "chat.completion.chunk",
+            "created": served.created,
+            "model": served.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
+
+    async def _send_tail(
+        self,
+        response: web.StreamResponse,
+        served: ev.GatewayLLMCallServed,
+        deltas: list[dict[str, Any]],
+        allowed: list[GatewayToolCall],
+        finish: str,
+        body: dict[str, Any],
+    ) -> None:
+        """The rest of a stream once the verdicts are in: text deltas, tool calls, the finish, usage."""
+        for delta in deltas:
+            if delta.get("content") or delta.get("role"):
+                await self._sse(response, self._chunk(served, delta))
+        if allowed:
+            delta = {"tool_calls": [c.as_openai(i) for i, c in enumerate(allowed)]}
+            await self._sse(response, self._chunk(served, delta))
+        await self._sse(response, self._chunk(served, {}, finish))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage_chunk = {**self._chunk(served, {}), "choices": [], "usage": self._usage(served)}
+            await self._sse(response, usage_chunk)
+        await self._sse(response, "[DONE]")
+        await response.write_eof()
+
+    async def _stream(
+        self, request: web.Request, session: GatewaySession, body: dict[str, Any], idem: str | None, step: int
+    ) -> web.StreamResponse:
+        """Text passes through as the engine sends it; tool calls wait for the record and the votes."""
+        assert self._http is not None
+        payload = self._engine_body(
+            session.session_id, {**body, "stream": True, "stream_options": {"include_usage": True}}, step
+        )
+        began = time.monotonic()
+        self.num_engine_requests += 1
+        text: list[str] = []
+        tools: dict[int, dict[str, str]] = {}
+        finish = "stop"
+        usage: dict[str, Any] = {}
+        timing: dict[str, Any] = {}
+        first: dict[str, Any] | None = None
+        response: web.StreamResponse | None = None
+        try:
+            async with self._http.post(f"{self.engine_url}/v1/chat/completions", json=payload) as r:
+                if r.status != 200:
+                    raise _engine_error(r.status, await r.json(content_type=None))
+                async for chunk in _sse_events(r.content):
+                    first = first or chunk
+                    usage = chunk.get("usage") or usage
+                    timing = chunk.get("agentlog") or timing
+                    for choice in chunk.get("choices") or []:
+                        delta = choice.get("delta") or {}
+                        finish = choice.get("finish_reason") or finish
+                        for t in delta.get("tool_calls") or []:
+                            slot = tools.setdefault(int(t.get("index", 0)), {"id": "", "name": "", "arguments": ""})
+                            function = t.get("function") or {}
+                            slot["id"] = t.get("id") or slot["id"]
+                            slot["name"] += function.get("name") or ""
+                            slot["arguments"] += function.get("arguments") or ""
+                        if delta.get("content") or (delta.get("role") and response is None):
+                            text.append(delta.get("content") or "")
+                            if response is None:
+                                headers = {"X-Agentlog-Call": llm_step_id(step), "X-Agentlog-Replayed": "false"}
+                                response = await self._open_sse(request, headers)
+                            passed = {
+                                **chunk,
+                                "choices": [
+                                    {
+                                        **choice,
+                                        "finish_reason": None,
+                                        "delta": {k: v for k, v in delta.items() if k != "tool_calls"},
+                                    }
+                                ],
+                            }
+                            passed.pop("usage", None)
+                            passed.pop("agentlog", None)
+                            await self._sse(response, passed)
+        except (aiohttp.ClientError, OSError, ValueError) as e:
+            error = RequestError(
+                502, f"The engine failed: {type(e).__name__}", type_="server_error", code="engine_error"
+            )
+            if response is None:
+                return error.response()
+            raise
+        except RequestError as e:
+            if response is None:
+                return e.response()
+            raise
+        answer = {
+            "id": (first or {}).get("id"),
+            "created": (first or {}).get("created"),
+            "choices": [
+                {
+                    "message": {
+                        "content": "".join(text),
+                        "tool_calls": [
+                            {"id": t["id"], "function": {"name": t["name"], "arguments": t["arguments"]}}
+                            for _, t in sorted(tools.items())
+                        ],
+                    },
+                    "finish_reason": finish,
+                }
+            ],
+            "usage": usage,
+            "agentlog": timing,
+            "_engine_ms": (time.monotonic() - began) * 1000,
+        }
+        served = await self._record(session, body, idem, step, answer, stream=True)
+        text_out, allowed, final_finish = await self._final_message(session.session_id, served)
+        refusal = text_out[len(served.output_text) :] if text_out.startswith(served.output_text) else text_out
+        if response is None:
+            response = await self._open_sse(
+                request, {"X-Agentlog-Call": served.call_id, "X-Agentlog-Replayed": "false"}
+            )
+            deltas = [{"role": "assistant", "content": text_out}]
+        else:
+            deltas = [{"content": refusal}] if refusal else []
+        await self._send_tail(response, served, deltas, allowed, final_finish, body)
+        return response
+
+
+def _engine_error(status: int, answer: Any) -> RequestError:
+    message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
+    if 400 <= status < 500:
+        return RequestError(
+            status,
+            f"The engine refused the request: {message or status}",
+            type_="invalid_request_error",
+            code="engine_refused",
+        )
+    return RequestError(502, f"The engine failed with status {status}", type_="server_error", code="engine_error")
+
+
+async def _sse_events(content: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of a server-sent event stream, until ``[DONE]``."""
+    async for raw in content:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def load_api_keys(path: Path | None) -> frozenset[str]:
+    """The API keys clients may use: ``AGENTLOG_GATEWAY_API_KEYS`` (comma-separated) and the file's lines."""
+    keys = {k.strip() for k in os.environ.get("AGENTLOG_GATEWAY_API_KEYS", "").split(",")}
+    if path is not None:
+        keys |= {line.strip() for line in Path(path).read_text().splitlines()}
+    return frozenset(k for k in keys if k and not k.startswith("#"))
+
+
+if __name__ == "__main__":
+    from workers.main import run_worker
+
+    run_worker(GatewayWorker)
