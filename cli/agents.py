@@ -53,6 +53,10 @@ def up(
         int | None,
         typer.Option(help="Serve each worker's /metrics and /health, on this port and the next ones (default: off)"),
     ] = None,
+    gateway: Annotated[
+        bool, typer.Option("--gateway", help="Also run the OpenAI-compatible gateway (workers.gateway)")
+    ] = False,
+    gateway_port: Annotated[int, typer.Option(help="The gateway's port")] = 8200,
 ) -> None:
     """Start the engine and every worker as local processes, and keep them running; Ctrl-C (or
     SIGTERM) stops them gracefully.
@@ -88,6 +92,8 @@ def up(
         cache_manager_args=memory if cache_manager else [],
         extra_env={"AGENTLOG_PLUGINS": plugins or ""},  # every process loads the same plugins
         metrics_port_base=metrics_port,
+        gateway=gateway,
+        gateway_port=gateway_port,
     )
     ensure_topics(log_url)
     stack.start()
@@ -96,6 +102,8 @@ def up(
         metrics = f"  metrics http://127.0.0.1:{port}/metrics" if port is not None else ""
         typer.echo(f"{name:<10} pid {process.pid:<7} log {process.log_path}{metrics}")
     typer.echo(f"engine     {stack.engine_url}")
+    if gateway:
+        typer.echo(f"gateway    {stack.gateway_url} (OpenAI base URL; send the X-Agentlog-Session header)")
     typer.echo("running; Ctrl-C to stop")
     # Ctrl-C and a process manager's SIGTERM both stop the stack gracefully; set explicitly,
     # because a shell that starts us in the background leaves SIGINT ignored, and Python's

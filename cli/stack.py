@@ -3,7 +3,9 @@
 With ``cache_manager=True`` it also starts the engine bridge (``workers.engine_bridge``:
 the engine's KV events into ``kv.events``, ``kv.decisions`` into the engine) and the
 cache manager (``workers.cache_manager``); ``engine_args`` and ``cache_manager_args``
-pass options to the engine and the cache manager (e.g. ``--gpu-blocks N``).
+pass options to the engine and the cache manager (e.g. ``--gpu-blocks N``). With
+``gateway=True`` it starts the OpenAI-compatible gateway (``workers.gateway``) on
+``gateway_port`` (0: a free port), in front of the engine; ``gateway_args`` pass it options.
 
 Every process is a plain ``python -m workers.<role>`` child with the log URL in
 its environment, so ``kill -9`` of any of them is exactly what a crash is.
@@ -116,6 +118,9 @@ class Stack:
     """Serve each worker's /metrics and /health on its own port from this one up (None: no metrics)."""
     metrics_ports: dict[str, int] = field(default_factory=dict)
     """The port each worker process got (stable across its restarts)."""
+    gateway: bool = False
+    gateway_port: int = 0
+    gateway_args: list[str] = field(default_factory=list)
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
@@ -130,6 +135,11 @@ class Stack:
     @property
     def engine_url(self) -> str:
         return f"http://127.0.0.1:{self.engine_port}"
+
+    @property
+    def gateway_url(self) -> str:
+        """The gateway's OpenAI base URL (what a client's ``base_url`` is set to)."""
+        return f"http://127.0.0.1:{self.gateway_port}/v1"
 
     def _process(self, name: str, module: str, args: list[str], env: dict[str, str] | None = None) -> Process:
         # The process name is its stable member id: a restarted planner-0 is planner-0 again.
@@ -161,11 +171,14 @@ class Stack:
         if self.cache_manager:
             self.start_process("engine-bridge")
             self.start_process("cache-manager")
+        if self.gateway:
+            self.gateway_port = self.gateway_port or free_port()
+            self.start_process("gateway")
         return self
 
     def start_process(self, name: str, env: dict[str, str] | None = None) -> Process:
         """Start (or restart) one process of the stack by name: engine, decider, executor, planner-N,
-        engine-bridge, cache-manager."""
+        engine-bridge, cache-manager, gateway."""
         if name == "engine":
             args = ["--port", str(self.engine_port), "--state-dir", str(self.work_dir / "engine"), *self.engine_args]
             process = self._process(name, "workers.engines.sim_server", args, env)
@@ -178,6 +191,9 @@ class Stack:
             process = self._process(name, "workers.planner", ["--engine-url", self.engine_url], env)
         elif name == "decider":  # the llm_judge voter asks the same engine
             process = self._process(name, "workers.decider", ["--engine-url", self.engine_url], env)
+        elif name == "gateway":
+            args = ["--engine-url", self.engine_url, "--port", str(self.gateway_port), *self.gateway_args]
+            process = self._process(name, "workers.gateway", args, env)
         elif name == "executor":
             process = self._process(name, "workers.executor", ["--sandbox", str(self.work_dir / "sandbox")], env)
         else:

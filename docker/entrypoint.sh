@@ -10,8 +10,9 @@ case "$role" in
   executor)      exec python3 -m workers.executor "$@" ;;
   cache-manager) exec python3 -m workers.cache_manager "$@" ;;
   engine-bridge) exec python3 -m workers.engine_bridge "$@" ;;
+  gateway)       exec python3 -m workers.gateway "$@" ;;
   logctl)        exec logctl "$@" ;;
   *)
-    echo "agentlog image: unknown role '$role'; use one of: engine planner decider executor cache-manager engine-bridge logctl" >&2
+    echo "agentlog image: unknown role '$role'; use one of: engine planner decider executor cache-manager engine-bridge gateway logctl" >&2
     exit 2 ;;
 esac

@@ -16,11 +16,12 @@ umask 077
 {
   echo "# docker-compose.yml's secrets, made by scripts/compose_env.sh. Keep this file private."
   echo "COMPOSE_PROJECT_NAME=agentlog"
-  for principal in ADMIN PLANNER DECIDER EXECUTOR CACHE_MANAGER ENGINE_BRIDGE PROJECTOR OPERATOR AUDITOR; do
+  for principal in ADMIN PLANNER DECIDER EXECUTOR CACHE_MANAGER ENGINE_BRIDGE PROJECTOR OPERATOR AUDITOR GATEWAY; do
     echo "AGENTLOG_PASSWORD_$principal=$(secret)"
   done
   echo "AGENTLOG_POSTGRES_PASSWORD=$(secret)"
   echo "AGENTLOG_VLLM_CONTROL_TOKEN=$(secret)"
   echo "AGENTLOG_GRAFANA_PASSWORD=$(secret)"
+  echo "AGENTLOG_GATEWAY_API_KEY=$(secret)"
 } > "$file"
 echo "wrote $file"

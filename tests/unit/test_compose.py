@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
-ROLES = {"engine", "planner", "decider", "executor", "cache-manager", "engine-bridge", "logctl"}
+ROLES = {"engine", "planner", "decider", "executor", "cache-manager", "engine-bridge", "gateway", "logctl"}
 
 
 def password_variable(principal: str) -> str:
@@ -96,6 +96,7 @@ def test_each_process_is_its_own_principal_and_writes_only_its_topic(services: d
         "cache-manager": "cache-manager",
         "engine-bridge": "engine-bridge",
         "vllm-bridge": "engine-bridge",
+        "gateway": "gateway",
         "logctl": "operator",
     }
     assert {name: s["environment"]["AGENTLOG_KAFKA_USERNAME"] for name, s in processes.items()} == expected
