@@ -14,10 +14,11 @@ from datetime import datetime
 from log import LoggedEvent, SharedLog
 from log.topics import SESSION_TOPICS
 from schemas import events as ev
+from services.gateway import adoption_problems
 from services.planning import prompt_digest, recorded_results
 from services.programs import PROGRAMS, CallLLM, CallTool, Finish, Fork, Program, ProgramView, TakeCheckpoint
 from services.programs.base import NonDeterminism
-from services.session import LLMCall, PlannerStep, SessionState, SessionStatus
+from services.session import GATEWAY_PROGRAM, LLMCall, PlannerStep, SessionState, SessionStatus
 
 
 @dataclass
@@ -138,7 +139,12 @@ def summarize(records: Iterable[SessionRecord]) -> Summary:
 
 
 def replay_check(state: SessionState, programs: Mapping[str, Program] = PROGRAMS) -> list[str]:
-    """Re-run the session's program against its recorded results; every disagreement, in words."""
+    """Re-run the session's program against its recorded results; every disagreement, in words.
+
+    A gateway session has no program here (an external agent drove it): its check is that the
+    planner and the executor adopted exactly what the gateway recorded."""
+    if state.program == GATEWAY_PROGRAM:
+        return adoption_problems(state)
     program = programs.get(state.program)
     if program is None:
         return [f"unknown program {state.program!r}: cannot re-run it"]

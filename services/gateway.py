@@ -37,6 +37,7 @@ __all__ = [
     "RateLimiter",
     "adopt",
     "adopt_results",
+    "adoption_problems",
     "estimate_tokens",
     "next_step",
     "prompt_digest",
@@ -253,3 +254,26 @@ def reported_tool_results(
         if message.get("role") == "tool" and (call := by_id.get(str(message.get("tool_call_id")))) is not None:
             out.append((call, message.get("content", "")))
     return out
+
+
+def adoption_problems(state: SessionState) -> list[str]:
+    """``logctl replay --check`` for a gateway session (it has no program to re-run): every
+    disagreement, in words, between the gateway's records and the session's adopted events."""
+    problems: list[str] = []
+    for served in sorted(state.gateway_calls.values(), key=lambda s: step_of(s.call_id)):
+        call = state.llm_calls.get(served.call_id)
+        if call is None or call.completed is None:
+            problems.append(f"{served.call_id}: recorded by the gateway, not adopted (yet)")
+        elif call.started.prompt_digest != served.prompt_digest or call.completed.output_text != served.output_text:
+            problems.append(f"{served.call_id}: the adopted LLM call differs from the gateway's record")
+        for tool in tool_calls_of(served):
+            proposed = state.tool_calls.get(tool.call_id)
+            if proposed is None:
+                problems.append(f"{tool.call_id}: returned by the model, never proposed")
+            elif (proposed.proposed.tool, proposed.proposed.arguments_json) != (tool.name, tool.arguments):
+                problems.append(f"{tool.call_id}: the proposal differs from the model's tool call")
+    for call_id, reported in state.gateway_results.items():
+        outcome = state.tool_calls[call_id].completed if call_id in state.tool_calls else None
+        if outcome is None or outcome.result_json != reported.result_json:
+            problems.append(f"{call_id}: the client's reported result is not the call's recorded outcome")
+    return problems

@@ -243,6 +243,31 @@ def test_a_committed_tool_call_reaches_the_client_and_its_result_is_recorded_nev
     assert tool.attempts == 0, "the executor started a call the client runs"
     effects = [e for e in gateway.events("agent.effects") if e.session_id == session]
     assert [type(e.body).__name__ for e in effects] == ["ToolCallCompleted"] and effects[0].envelope.actor == "executor"
+    if not stream:
+        _logctl_sees_the_whole_trajectory(gateway, session)
+
+
+def _logctl_sees_the_whole_trajectory(gateway: Gateway, session: str) -> None:
+    """``logctl sessions``, ``replay --check``, ``audit`` and ``verify`` on a session an external agent drove."""
+    env = {"AGENTLOG_NAMESPACE": gateway.namespace}
+
+    def logctl(*argv: str) -> Any:
+        result = CliRunner().invoke(app, [*argv, "--log-url", gateway.log_url, "--json"], env=env)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    listed = {s["session_id"]: s for s in logctl("sessions", "--limit", "1000")}
+    assert listed[session]["program"] == GATEWAY_PROGRAM
+    replayed = logctl("replay", session, "--check")
+    assert replayed["problems"] == []
+    kinds = [e["type"] for e in replayed["events"]]
+    for kind in ("GatewayLLMCallServed", "LLMCallCompleted", "ToolCallProposed", "ToolCallCommitted",
+                 "GatewayToolResultReported", "ToolCallCompleted"):  # fmt: skip
+        assert kind in kinds, kinds
+    audited = logctl("audit", "--session", session)
+    assert [(c["call_id"], c["tool"]) for c in audited] == [("tool-1", "echo")], audited
+    verified = logctl("verify", "--session", session)
+    assert verified["ok"] is True, verified
 
 
 def test_a_tool_call_aborted_by_a_voter_never_reaches_the_client(gateway: Gateway) -> None:
