@@ -1,0 +1,172 @@
+"""The gateway's pure rules: what the planner and the executor adopt, the digests, the rate limit."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from schemas import events as ev
+from schemas.envelope import Envelope
+from schemas.events import EffectClass
+from services.gateway import (
+    GatewayToolCall,
+    RateLimiter,
+    adopt,
+    adopt_results,
+    adoption_problems,
+    next_step,
+    refusal_text,
+    reported_tool_results,
+    request_digest,
+    result_json,
+)
+from services.session import GATEWAY_PROGRAM, SessionState, SessionStatus, ToolStatus
+from services.tools import TOOLS
+
+pytestmark = pytest.mark.unit
+
+SID = "agent-1"
+_EVENT_NUMBERS = itertools.count()
+
+
+def served(step: int, tools: tuple[tuple[str, str], ...] = (), **fields: object) -> ev.GatewayLLMCallServed:
+    calls = [
+        GatewayToolCall(f"tool-{step + 1 + i}", f"call_{step}_{i}", name, args).as_json()
+        for i, (name, args) in enumerate(tools)
+    ]
+    values: dict[str, object] = {
+        "call_id": f"llm-{step}",
+        "turn": step,
+        "model": "sim",
+        "engine_id": "sim-0",
+        "request_digest": f"r{step}",
+        "prompt_digest": f"p{step}",
+        "prompt_tokens": 10,
+        "cached_tokens": 4,
+        "output_tokens": 3,
+        "max_output_tokens": 0,
+        "output_text": f"text {step}",
+        "tool_calls_json": json.dumps(calls),
+        "finish_reason": "tool_calls" if tools else "stop",
+        "response_id": f"chatcmpl-{step}",
+        "created": 1,
+        "queue_ms": 0.0,
+        "prefill_ms": 1.0,
+        "decode_ms": 2.0,
+        "engine_ms": 3.0,
+        "stream": False,
+    }
+    return ev.GatewayLLMCallServed(**{**values, **fields})  # type: ignore[arg-type]
+
+
+def apply(state: SessionState, body: ev.Event, actor: str) -> None:
+    state.apply(
+        Envelope.model_construct(
+            event_id=f"e{next(_EVENT_NUMBERS)}",
+            session_id=state.session_id,
+            seq=0,
+            actor=actor,
+            occurred_at=datetime(2026, 1, 1, tzinfo=UTC),
+            causation_id=None,
+            prev_hash=b"",
+            body=body,
+            hash=b"",
+        )
+    )
+
+
+def adopted(state: SessionState) -> None:
+    for a in adopt(state, TOOLS):
+        apply(state, a.body, "planner")
+
+
+def test_the_first_record_requests_the_session_and_the_planner_adopts_it_in_step_order() -> None:
+    state = SessionState(SID)
+    apply(state, served(0, (("echo", '{"text": "a"}'), ("wipe_disk", "{}"))), "gateway")
+    assert (state.status, state.program) == (SessionStatus.REQUESTED, GATEWAY_PROGRAM)
+    appends = adopt(state, TOOLS)
+    assert [(type(a.body).__name__, a.kind, a.key) for a in appends] == [
+        ("SessionStarted", "start", ""),
+        ("LLMCallStarted", "llm-started", "llm-0"),
+        ("LLMCallCompleted", "llm-completed", "llm-0"),
+        ("ToolCallProposed", "proposed", "tool-1"),
+        ("ToolCallProposed", "proposed", "tool-2"),
+    ]
+    echo, wipe = appends[3].body, appends[4].body
+    assert isinstance(echo, ev.ToolCallProposed) and isinstance(wipe, ev.ToolCallProposed)
+    assert echo.effect_class is EffectClass.PURE and echo.arguments_json == '{"text": "a"}'
+    assert wipe.effect_class is EffectClass.IRREVERSIBLE, "a tool the stack does not know may do anything"
+    completed = appends[2].body
+    assert isinstance(completed, ev.LLMCallCompleted) and (completed.prompt_tokens, completed.cached_tokens) == (10, 4)
+
+    adopted(state)
+    assert state.status is SessionStatus.RUNNING and adopt(state, TOOLS) == [], "adopting twice appends nothing"
+    assert next_step(state) == 3 and adoption_problems(state) == []
+    apply(state, served(3), "gateway")
+    assert [a.key for a in adopt(state, TOOLS)] == ["llm-3", "llm-3"]
+
+
+def test_a_session_the_planner_runs_is_never_adopted() -> None:
+    state = SessionState(SID)
+    apply(state, ev.SessionRequested(program="react", args_json="{}", author="op"), "operator")
+    apply(state, served(0), "gateway")
+    assert state.program == "react" and adopt(state, TOOLS) == [] and adopt_results(state) == []
+
+
+def test_the_executor_records_reported_results_of_committed_calls_only() -> None:
+    state = SessionState(SID)
+    apply(state, served(0, (("echo", '{"text": "a"}'), ("echo", '{"text": "b"}'))), "gateway")
+    adopted(state)
+    report = ev.GatewayToolResultReported(
+        call_id="tool-1", tool_call_id="call_0_0", result_json='"a"', result_tokens=1, gap_ms=250.0
+    )
+    apply(state, report, "gateway")
+    assert adopt_results(state) == [], "no verdict yet"
+    apply(state, ev.ToolCallCommitted(call_id="tool-1", votes=[], policy="unanimous"), "decider")
+    apply(state, ev.ToolCallAborted(call_id="tool-2", votes=[], policy="unanimous", reason="no"), "decider")
+    (append,) = adopt_results(state)
+    assert isinstance(append.body, ev.ToolCallCompleted) and (append.kind, append.key) == ("completed", "tool-1")
+    assert append.body.duration_ms == 250.0 and append.body.result_json == '"a"'
+    apply(state, append.body, "executor")
+    assert state.tool_calls["tool-1"].status is ToolStatus.COMPLETED and adopt_results(state) == []
+    assert adoption_problems(state) == []
+
+
+def test_adoption_problems_name_what_differs() -> None:
+    state = SessionState(SID)
+    apply(state, served(0, (("echo", "{}"),)), "gateway")
+    assert adoption_problems(state) == [
+        "llm-0: recorded by the gateway, not adopted (yet)",
+        "tool-1: returned by the model, never proposed",
+    ]
+
+
+def test_request_digest_ignores_streaming_and_headers_but_not_messages() -> None:
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}
+    assert request_digest(body) == request_digest({**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert request_digest(body) != request_digest({**body, "messages": [{"role": "user", "content": "ho"}]})
+    assert request_digest(body) != request_digest({**body, "temperature": 0.5})
+
+
+def test_reported_results_are_the_tool_messages_of_released_calls() -> None:
+    call = GatewayToolCall("tool-1", "call_x", "echo", "{}")
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "tool", "tool_call_id": "call_x", "content": '{"ok": true}'},
+        {"role": "tool", "tool_call_id": "call_unknown", "content": "?"},
+    ]
+    assert reported_tool_results(messages, [call]) == [(call, '{"ok": true}')]
+    assert result_json('{"ok": true}') == '{"ok": true}' and result_json("plain words") == '"plain words"'
+    assert "echo" in refusal_text(call, "not allowed") and "not allowed" in refusal_text(call, "not allowed")
+
+
+def test_rate_limit_is_a_sliding_window_per_session_and_refusals_do_not_count() -> None:
+    limiter = RateLimiter(max_requests=2, window_s=60)
+    assert limiter.allow("a", 0.0) and limiter.allow("a", 10.0)
+    assert not limiter.allow("a", 20.0) and limiter.allow("b", 20.0)
+    assert limiter.retry_after_s("a", 20.0) == 40.0
+    assert not limiter.allow("a", 59.0)
+    assert limiter.allow("a", 60.5) and not limiter.allow("a", 61.0)
