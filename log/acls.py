@@ -111,8 +111,9 @@ ROLES: tuple[Role, ...] = (
     # bridge must see every decision and apply those for its engine.
     Role("engine-bridge", (_KV_DECISIONS, _KV_EVENTS), group_prefixes=("engine-bridge",)),
     # The OpenAI-compatible gateway (workers/gateway) writes only agent.gateway and reads the
-    # verdicts on the tool calls it proxies (docs/architecture.md, "The gateway").
-    Role("gateway", (_GATEWAY, _VERDICTS), groups=("gateway",)),
+    # verdicts on the tool calls it proxies, and the actions to know which sessions are not its
+    # own (docs/architecture.md, "The gateway").
+    Role("gateway", (_GATEWAY, _VERDICTS, _ACTIONS), groups=("gateway",)),
     # ``logctl projector rebuild`` reads in a group of its own (``projector-rebuild-<id>``).
     Role("projector", ALL_TOPICS, groups=("projector",), group_prefixes=("projector-",)),
     Role("operator", ALL_TOPICS, group_prefixes=("operator", LOGCTL_GROUP_PREFIX)),

@@ -12,7 +12,8 @@ For each completion the gateway
    ``AGENTLOG_GATEWAY_API_KEYS``, comma-separated, or ``--api-keys-file``, one per line; with
    none configured the gateway is open and says so at startup; keys are never logged),
    400 ``invalid_request_error`` (not JSON, no messages, no session), 404 ``model_not_found``,
-   429 ``rate_limit_exceeded`` (``--max-requests-per-minute`` per session, with Retry-After);
+   429 ``rate_limit_exceeded`` (``--max-requests-per-minute`` per session, with Retry-After),
+   409 ``session_not_external`` (a session the planner runs);
 2. answers a repeated request from the log without calling the engine: the same
    ``Idempotency-Key`` header, or the same session and the same request
    (``services.gateway.request_digest``);
@@ -28,7 +29,8 @@ For each completion the gateway
    (``services.gateway.refusal_text``).
 
 The gateway writes only agent.gateway and reads agent.gateway (its journal: steps,
-idempotency, released calls) and agent.verdicts. It serves once it has read both to their
+idempotency, released calls), agent.verdicts and agent.actions (only to refuse, with 409
+``session_not_external``, a session id the planner runs a program for). It serves once it has read both to their
 end. Requests of one session are served one at a time (their steps are numbered in order).
 
 Run: ``python -m workers.gateway [--log-url URL] --engine-url http://127.0.0.1:8100
@@ -56,7 +58,7 @@ import aiohttp
 from aiohttp import web
 
 from log import Draft, LoggedEvent, SharedLog
-from log.topics import AGENT_GATEWAY, AGENT_VERDICTS
+from log.topics import AGENT_ACTIONS, AGENT_GATEWAY, AGENT_VERDICTS
 from schemas import events as ev
 from services.gateway import (
     GatewayToolCall,
@@ -70,7 +72,7 @@ from services.gateway import (
     result_json,
     tool_calls_of,
 )
-from services.session import step_of, tool_call_id
+from services.session import GATEWAY_PROGRAM, step_of, tool_call_id
 from workers.worker import EventIds, Worker
 
 __all__ = ["GATEWAY_EVENT_IDS", "GatewayWorker", "SESSION_HEADER"]
@@ -132,7 +134,8 @@ class GatewaySession:
 
 class GatewayWorker(Worker):
     role = "gateway"
-    topics = (AGENT_GATEWAY.name, AGENT_VERDICTS.name)
+    # agent.actions: only to know the sessions the planner runs, which the gateway must not claim.
+    topics = (AGENT_GATEWAY.name, AGENT_VERDICTS.name, AGENT_ACTIONS.name)
     event_ids = GATEWAY_EVENT_IDS
 
     def __init__(
@@ -157,6 +160,8 @@ class GatewayWorker(Worker):
         self.limiter = RateLimiter(max_requests_per_minute)
         self.sessions: dict[str, GatewaySession] = {}
         self.verdicts: dict[tuple[str, str], Verdict] = {}
+        self.foreign: set[str] = set()
+        """Sessions the planner runs a program for: a client may not drive them (409)."""
         self._waiters: dict[tuple[str, str], list[asyncio.Future[Verdict]]] = {}
         self._http: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -257,6 +262,8 @@ class GatewayWorker(Worker):
 
     def _fold(self, session_id: str, body: ev.Event, at: datetime) -> None:
         match body:
+            case ev.SessionStarted() if body.program != GATEWAY_PROGRAM:
+                self.foreign.add(session_id)
             case ev.GatewayLLMCallServed():
                 self.session(session_id).record(body, at)
             case ev.GatewayToolResultReported():
@@ -353,6 +360,14 @@ class GatewayWorker(Worker):
             session_id, body = await self._parse(request)
         except RequestError as e:
             return e.response()
+        if session_id in self.foreign:
+            error = RequestError(
+                409,
+                f"Session {session_id} runs a program on agentlog; a client cannot drive it. Use another session id.",
+                type_="invalid_request_error",
+                code="session_not_external",
+            )
+            return error.response()
         idem = request.headers.get(IDEMPOTENCY_HEADER) or None
         stream = bool(body.get("stream"))
         session = self.session(session_id)

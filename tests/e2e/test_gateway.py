@@ -111,6 +111,16 @@ class Gateway:
             timeout=60,
         )
 
+    def request(self, session: str, program: str, args: dict[str, Any]) -> None:
+        """Ask the planner to run ``program`` as ``session`` (as ``logctl run`` does)."""
+
+        async def append() -> None:
+            async with open_log(self.log_url, actor="operator", namespace=self.namespace) as log:
+                body = ev.SessionRequested(program=program, args_json=json.dumps(args), author="test")
+                await log.append(session, body)
+
+        asyncio.run(append())
+
     def engine_requests(self) -> int:
         with urllib.request.urlopen(f"{self.stack.engine_url}/stats", timeout=5) as response:
             stats = json.loads(response.read())
@@ -349,6 +359,17 @@ def test_bad_requests_get_their_status_and_append_nothing(gateway: Gateway) -> N
     status, body = _post(url, b'{"model": "sim", "messages": [', session)
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     assert gateway.end_offsets() == before
+
+    # A session the planner runs a program for is not the client's to drive.
+    planned = _sid("planned")
+    steps = {"steps": [{"tool": "sleep", "arguments": {"seconds": 3600}}]}
+    gateway.request(planned, "script", steps)
+    gateway.wait_for(planned, lambda s: s.status is not None and s.program == "script" and s.num_steps > 0)
+    time.sleep(2)  # the gateway reads agent.actions live (a poll is at most 0.5 s): it has the SessionStarted
+    before = gateway.end_offsets()
+    status, body = _post(url, json.dumps(good).encode(), planned)
+    assert status == 409 and body["error"]["code"] == "session_not_external"
+    assert gateway.end_offsets()["agent.gateway"] == before["agent.gateway"]
 
     limited = _sid("limited")
     client = gateway.client(limited)
