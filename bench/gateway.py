@@ -1,0 +1,234 @@
+"""What the OpenAI-compatible gateway costs: the same sim engine called directly and through the gateway.
+
+Run::
+
+    python -m bench.gateway [--bootstrap HOST:PORT] [--requests 400] [--concurrency 16] [--json FILE]
+
+It starts a stack on Kafka (``--bootstrap``, default ``KAFKA_BOOTSTRAP_SERVERS``; a fresh
+namespace per run): the sim engine with ``--time-scale 0`` (it answers as soon as it has
+computed the reply, so what is left is HTTP, JSON and the gateway), the planner, decider and
+executor (the planner adopts every record, as in a deployment) and ``workers.gateway``. Then,
+for plain and streamed chat completions, side by side in one run:
+
+- **latency**: ``--requests`` requests one at a time, each a new conversation (so neither the
+  engine's request-id replay nor the gateway's log replay answers it), timed from sending to
+  the last byte; direct calls give the engine a fresh ``request_id`` each;
+- **throughput**: the same number of requests from ``--concurrency`` clients at once.
+
+Direct and gateway rounds alternate in blocks of 20 so that drift on a shared machine hits both.
+Added latency is gateway minus direct, per percentile. The gateway's share is one durable Kafka
+append (``GatewayLLMCallServed``, ``acks=all``) per request, plus parsing and re-encoding: the
+header line gives that append's own p50/p99 (``SharedLog.append_many`` of one record, measured
+in the same run, in a namespace of its own) and the machine's load average, to read the rest by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from cli.common import ensure_topics
+from cli.stack import Stack
+from log import Draft, open_log
+from schemas import events as ev
+from workers.gateway import SESSION_HEADER
+
+BLOCK = 20
+
+
+@dataclass
+class Round:
+    path: str
+    stream: bool
+    latencies_ms: list[float]
+    throughput_rps: float
+
+    def percentile(self, p: float) -> float:
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def _body(i: int, run: str, stream: bool) -> dict[str, Any]:
+    return {
+        "model": "sim",
+        "messages": [{"role": "user", "content": f"bench {run} conversation {i}: say something short."}],
+        "max_tokens": 16,
+        "stream": stream,
+    }
+
+
+async def _one(http: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]) -> float:
+    began = time.perf_counter()
+    async with http.post(url, json=body, headers=headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url}: {response.status} {await response.text()}")
+        async for _ in response.content.iter_any():
+            pass
+    return (time.perf_counter() - began) * 1000
+
+
+class Bench:
+    def __init__(self, engine_url: str, gateway_url: str, key: str) -> None:
+        self.engine = f"{engine_url}/v1/chat/completions"
+        self.gateway = f"{gateway_url}/chat/completions"
+        self.key = key
+        self.run = uuid.uuid4().hex[:6]
+        self.counter = 0
+
+    def request(self, path: str, stream: bool) -> tuple[str, dict[str, Any], dict[str, str]]:
+        self.counter += 1
+        body = _body(self.counter, self.run, stream)
+        session = f"bench-{self.run}-{self.counter}"
+        if path == "direct":
+            return self.engine, {**body, "session_id": session, "request_id": f"{session}/llm-0"}, {}
+        return self.gateway, body, {"Authorization": f"Bearer {self.key}", SESSION_HEADER: session}
+
+    async def latency(self, http: aiohttp.ClientSession, n: int, stream: bool) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {"direct": [], "gateway": []}
+        for start in range(0, n, BLOCK):
+            for path in ("direct", "gateway"):
+                for _ in range(min(BLOCK, n - start)):
+                    out[path].append(await _one(http, *self.request(path, stream)))
+        return out
+
+    async def throughput(self, http: aiohttp.ClientSession, path: str, n: int, stream: bool, clients: int) -> float:
+        requests = [self.request(path, stream) for _ in range(n)]
+        queue: asyncio.Queue[tuple[str, dict[str, Any], dict[str, str]]] = asyncio.Queue()
+        for r in requests:
+            queue.put_nowait(r)
+
+        async def client() -> None:
+            while not queue.empty():
+                await _one(http, *queue.get_nowait())
+
+        began = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        return n / (time.perf_counter() - began)
+
+    async def all_rounds(self, n: int, clients: int, warmup: int) -> list[Round]:
+        connector = aiohttp.TCPConnector(limit=clients * 2)
+        async with aiohttp.ClientSession(connector=connector) as http:
+            for stream in (False, True):
+                await self.latency(http, warmup, stream)
+            rounds = []
+            for stream in (False, True):
+                latencies = await self.latency(http, n, stream)
+                for path in ("direct", "gateway"):
+                    rps = await self.throughput(http, path, n, stream, clients)
+                    rounds.append(Round(path, stream, latencies[path], rps))
+            return rounds
+
+
+async def append_latency(log_url: str, n: int) -> tuple[float, float]:
+    """p50 and p99 ms of one durable append, as the gateway makes one per request."""
+    namespace = f"bench{uuid.uuid4().hex[:8]}"
+    ensure_topics(log_url, namespace=namespace)
+    body = ev.GatewayToolResultReported(call_id="tool-1", tool_call_id="c", result_json="1", result_tokens=1, gap_ms=0)
+    times = []
+    async with open_log(log_url, actor="gateway", namespace=namespace) as log:
+        for i in range(n):
+            began = time.perf_counter()
+            await log.append_many([Draft(f"s{i}", body, str(uuid.uuid4()))])
+            times.append((time.perf_counter() - began) * 1000)
+    times.sort()
+    return times[len(times) // 2], times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
+
+
+def table(rounds: list[Round]) -> str:
+    lines = [
+        "| mode | path | requests/s | p50 ms | p99 ms | added p50 ms | added p99 ms |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    by = {(r.path, r.stream): r for r in rounds}
+    for stream in (False, True):
+        direct = by[("direct", stream)]
+        for path in ("direct", "gateway"):
+            r = by[(path, stream)]
+            added = (
+                (f"{r.percentile(50) - direct.percentile(50):.2f}", f"{r.percentile(99) - direct.percentile(99):.2f}")
+                if path == "gateway"
+                else ("", "")
+            )
+            lines.append(
+                f"| {'stream' if stream else 'plain'} | {path} | {r.throughput_rps:.0f} | {r.percentile(50):.2f} "
+                f"| {r.percentile(99):.2f} | {added[0]} | {added[1]} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.split("\n")[0])
+    parser.add_argument("--bootstrap", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
+    parser.add_argument("--requests", type=int, default=400, help="per path and mode")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=40)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not args.bootstrap:
+        parser.error("needs a Kafka broker: --bootstrap HOST:PORT or KAFKA_BOOTSTRAP_SERVERS")
+    log_url = f"kafka://{args.bootstrap}"
+    namespace = f"bench{uuid.uuid4().hex[:8]}"
+    key = uuid.uuid4().hex
+    limit = str(10 * args.requests)
+    env = {"AGENTLOG_NAMESPACE": namespace, "AGENTLOG_GATEWAY_API_KEYS": key, "AGENTLOG_LOG_LEVEL": "WARNING"}
+    with tempfile.TemporaryDirectory() as work:
+        stack = Stack(
+            log_url,
+            Path(work),
+            time_scale=0.0,
+            extra_env=env,
+            gateway=True,
+            gateway_args=["--max-requests-per-minute", limit],
+        )
+        ensure_topics(log_url, namespace=namespace)
+        with stack:
+            _wait_for(stack.gateway_url.removesuffix("/v1") + "/health")
+            rounds = asyncio.run(Bench(stack.engine_url, stack.gateway_url, key).all_rounds(
+                args.requests, args.concurrency, args.warmup))  # fmt: skip
+            append_p50, append_p99 = asyncio.run(append_latency(log_url, args.requests))
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"gateway vs direct sim engine: {args.requests} requests per path and mode, "
+          f"throughput with {args.concurrency} concurrent clients, Kafka {args.bootstrap}; "
+          f"one durable append: p50 {append_p50:.2f} ms, p99 {append_p99:.2f} ms; "
+          f"load average {load} on {os.cpu_count()} CPUs")  # fmt: skip
+    print(table(rounds))
+    if args.json is not None:
+        data = [
+            {
+                "path": r.path,
+                "stream": r.stream,
+                "requests_per_s": r.throughput_rps,
+                "p50_ms": r.percentile(50),
+                "p99_ms": r.percentile(99),
+                "mean_ms": statistics.fmean(r.latencies_ms),
+            }
+            for r in rounds
+        ]
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _wait_for(url: str, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout_s:g} s")
+
+
+if __name__ == "__main__":
+    main()
