@@ -171,6 +171,7 @@ def adopt(state: SessionState, tools: Mapping[str, ToolSpec]) -> list[Append]:
             )
             out.append(Append(sid, started, "llm-started", served.call_id))
         if call is None or call.completed is None:
+            calls = [{"id": t.id, "name": t.name, "arguments": t.arguments} for t in tool_calls_of(served)]
             completed = ev.LLMCallCompleted(
                 call_id=served.call_id,
                 engine_id=served.engine_id,
@@ -182,6 +183,7 @@ def adopt(state: SessionState, tools: Mapping[str, ToolSpec]) -> list[Append]:
                 queue_ms=served.queue_ms,
                 prefill_ms=served.prefill_ms,
                 decode_ms=served.decode_ms,
+                tool_calls_json=json.dumps(calls) if calls else None,
             )
             out.append(Append(sid, completed, "llm-completed", served.call_id))
         for tool in tool_calls_of(served):

@@ -101,6 +101,7 @@ def test_the_first_record_requests_the_session_and_the_planner_adopts_it_in_step
     assert wipe.effect_class is EffectClass.IRREVERSIBLE, "a tool the stack does not know may do anything"
     completed = appends[2].body
     assert isinstance(completed, ev.LLMCallCompleted) and (completed.prompt_tokens, completed.cached_tokens) == (10, 4)
+    assert [c["id"] for c in json.loads(completed.tool_calls_json or "[]")] == ["call_0_0", "call_0_1"]
 
     adopted(state)
     assert state.status is SessionStatus.RUNNING and adopt(state, TOOLS) == [], "adopting twice appends nothing"
