@@ -131,10 +131,8 @@ class Bench:
             return rounds
 
 
-async def append_latency(log_url: str, n: int) -> tuple[float, float]:
+async def append_latency(log_url: str, namespace: str, n: int) -> tuple[float, float]:
     """p50 and p99 ms of one durable append, as the gateway makes one per request."""
-    namespace = f"bench{uuid.uuid4().hex[:8]}"
-    ensure_topics(log_url, namespace=namespace)
     body = ev.GatewayToolResultReported(call_id="tool-1", tool_call_id="c", result_json="1", result_tokens=1, gap_ms=0)
     times = []
     async with open_log(log_url, actor="gateway", namespace=namespace) as log:
@@ -197,7 +195,9 @@ def main(argv: list[str] | None = None) -> None:
             _wait_for(stack.gateway_url.removesuffix("/v1") + "/health")
             rounds = asyncio.run(Bench(stack.engine_url, stack.gateway_url, key).all_rounds(
                 args.requests, args.concurrency, args.warmup))  # fmt: skip
-            append_p50, append_p99 = asyncio.run(append_latency(log_url, args.requests))
+            floor_namespace = f"bench{uuid.uuid4().hex[:8]}"
+            ensure_topics(log_url, namespace=floor_namespace)
+            append_p50, append_p99 = asyncio.run(append_latency(log_url, floor_namespace, args.requests))
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"gateway vs direct sim engine: {args.requests} requests per path and mode, "
           f"throughput with {args.concurrency} concurrent clients, Kafka {args.bootstrap}; "

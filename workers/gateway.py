@@ -114,6 +114,9 @@ class GatewaySession:
     by_key: dict[str, str] = field(default_factory=dict)
     by_digest: dict[str, str] = field(default_factory=dict)
     reported: set[str] = field(default_factory=set)
+    released_at: dict[str, datetime] = field(default_factory=dict)
+    """When each tool call went out to the client (this process's memory; after a restart the
+    time its answer was recorded stands in)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def record(self, served: ev.GatewayLLMCallServed, at: datetime) -> None:
@@ -128,8 +131,12 @@ class GatewaySession:
         return max((step_of(c) + 1 + len(tool_calls_of(s)) for c, s in self.calls.items()), default=0)
 
     def released(self) -> list[tuple[GatewayToolCall, datetime]]:
-        """Every tool call the client may have received, with when its answer was recorded."""
-        return [(t, self.served_at[c]) for c, s in self.calls.items() for t in tool_calls_of(s)]
+        """Every tool call the client may have received, with when it went out."""
+        return [
+            (t, self.released_at.get(t.call_id, self.served_at[c]))
+            for c, s in self.calls.items()
+            for t in tool_calls_of(s)
+        ]
 
 
 class GatewayWorker(Worker):
@@ -514,6 +521,12 @@ class GatewayWorker(Worker):
             finish = "stop"
         return text, allowed, finish
 
+    def _released(self, session_id: str, calls: list[GatewayToolCall]) -> None:
+        released_at = self.session(session_id).released_at
+        now = self.log.clock()
+        for call in calls:
+            released_at.setdefault(call.call_id, now)
+
     @staticmethod
     def _usage(served: ev.GatewayLLMCallServed) -> dict[str, Any]:
         return {
@@ -534,6 +547,7 @@ class GatewayWorker(Worker):
         replay: bool,
     ) -> web.StreamResponse:
         text, allowed, finish = await self._final_message(session_id, served)
+        self._released(session_id, allowed)
         headers = {"X-Agentlog-Call": served.call_id, "X-Agentlog-Replayed": "true" if replay else "false"}
         if not stream:
             message: dict[str, Any] = {"role": "assistant", "content": text or None}
@@ -682,6 +696,7 @@ class GatewayWorker(Worker):
         }
         served = await self._record(session, body, idem, step, answer, stream=True)
         text_out, allowed, final_finish = await self._final_message(session.session_id, served)
+        self._released(session.session_id, allowed)
         refusal = text_out[len(served.output_text) :] if text_out.startswith(served.output_text) else text_out
         if response is None:
             response = await self._open_sse(
