@@ -379,6 +379,10 @@ class LocalKafkaBroker:
         if self._owns_data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
+    def kill(self) -> None:
+        """SIGKILL the broker: a crash. The data directory stays; ``start()`` restarts it on the same ports."""
+        self._kill()
+
     def __enter__(self) -> Self:
         return self if self._proc is not None else self.start()
 

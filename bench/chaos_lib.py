@@ -1,0 +1,504 @@
+"""Chaos on a real stack: sessions, an operator loop, a seeded fault schedule, and the invariants.
+
+Shared by ``bench/chaos.py`` (at scale) and the end-to-end tests (``tests/e2e/test_recovery.py``
+drives its crash-point scenarios with ``Operator``; ``tests/e2e/test_chaos.py`` is a small
+seeded ``ChaosRun``). Everything is real: OS processes from ``cli.stack``, a Kafka broker of
+the run's own (``LocalKafkaBroker``, its own port and data directory, so it can be SIGKILLed,
+paused and restarted without touching anyone else's), and Postgres for the ledger.
+
+``fault_schedule`` is pure: the same seed gives the same faults at the same offsets.
+The invariants are read back from the log, the ledger and the engine's record after the run,
+never inferred from timers.
+
+Postgres restarts are not in the schedule: the run uses the shared Postgres for the ledger,
+and restarting a server others use is not a fault this harness may inject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from typer.testing import CliRunner
+
+from cli.common import ensure_topics
+from cli.main import app
+from cli.sessions import SessionBook, read_log, read_sessions
+from cli.stack import Backoff, Stack, Supervisor, free_port
+from log import open_log
+from log.local_kafka import LocalKafkaBroker
+from schemas import events as ev
+
+OPERATOR = "chaos-operator"
+
+
+def script(i: int) -> dict[str, Any]:
+    """LLM, tool, LLM, payment, LLM: every kind of step, an irreversible one in the middle."""
+    return {
+        "steps": [
+            {"llm": {"prompt_tokens": 120, "output_tokens": 8}},
+            {"tool": "sleep", "arguments": {"seconds": 0.05}},
+            {"llm": {"prompt_tokens": 40, "output_tokens": 8}},
+            {"tool": "payment", "arguments": {"account": f"acct-{i}", "amount_cents": 100 + i}},
+            {"llm": {"prompt_tokens": 30, "output_tokens": 4}},
+        ]
+    }
+
+
+LLM_CALLS_PER_SESSION = 3
+
+
+class Operator:
+    """Watches the log like a person would: approves held payments, resolves in-doubt calls
+    from the ledger (did the payment happen?), and has dead processes restarted."""
+
+    def __init__(self, log_url: str, namespace: str, pg_url: str, stack: Stack, sessions: list[str]) -> None:
+        self.log_url = log_url
+        self.namespace = namespace
+        self.pg_url = pg_url
+        self.stack = stack
+        self.sessions = sessions
+        self.appended: set[tuple[str, str, str]] = set()
+        """(session, event type, call id) of every append of this operator the log acknowledged."""
+        self.on_events: Callable[[float, list[Any]], None] | None = None
+        """Called with (time.time(), events) for every poll that returned events."""
+
+    async def request(self, log: Any, i: int, session: str) -> None:
+        body = ev.SessionRequested(program="script", args_json=json.dumps(script(i)), author=OPERATOR)
+        await log.append(session, body)
+        self.appended.add((session, "SessionRequested", ""))
+
+    async def request_all(self) -> None:
+        async with open_log(self.log_url, actor="operator", namespace=self.namespace) as log:
+            for i, session in enumerate(self.sessions):
+                await self.request(log, i, session)
+
+    async def read(self) -> SessionBook:
+        async with open_log(self.log_url, actor="auditor", namespace=self.namespace) as log:
+            book = await read_sessions(log, group=f"check-{uuid.uuid4().hex[:6]}", idle_polls=1)
+        return book
+
+    async def payments(self) -> list[tuple[str, int]]:
+        conn = await asyncpg.connect(self.pg_url)
+        try:
+            rows = await conn.fetch(
+                "SELECT idempotency_key, count(*) FROM agentlog_ledger.payments WHERE session_id = ANY($1::text[]) "
+                "GROUP BY idempotency_key",
+                self.sessions,
+            )
+        finally:
+            await conn.close()
+        return [(r[0], r[1]) for r in rows]
+
+    def engine_stats(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"{self.stack.engine_url}/stats", timeout=5) as response:
+            stats: dict[str, Any] = json.loads(response.read())
+            return stats
+
+    def restart_dead(self) -> None:
+        """Start again, at once and without a crash point, whatever died."""
+        for name, process in list(self.stack.processes.items()):
+            if not process.alive():
+                self.stack.start_process(name, {"AGENTLOG_CRASH_AT": ""})  # the restart runs clean
+                if name == "engine":
+                    self.stack.wait_for_engine(30)
+
+    async def operate(
+        self,
+        deadline_s: float,
+        *,
+        restart: Callable[[], None] | None = None,
+        outages: bool = False,
+        until: Callable[[], bool] | None = None,
+    ) -> tuple[SessionBook, list[str]]:
+        """Operate until every session has ended (and ``until()``, if given, holds: more sessions
+        may still be coming); then fold the whole log once more, cold.
+
+        ``restart`` is called every round (default ``restart_dead``). With ``outages`` (the
+        broker may be down or paused), an operator action that fails is tried again next round.
+        """
+        restart = restart or self.restart_dead
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + deadline_s
+        resolved: list[str] = []
+        approved: set[tuple[str, str]] = set()
+        book = SessionBook()
+        topics = ["agent.actions", "agent.verdicts", "agent.effects", "ops.commands"]
+        async with (
+            open_log(self.log_url, actor="operator", namespace=self.namespace) as log,
+            log.consumer(f"watch-{uuid.uuid4().hex[:6]}", topics, from_beginning=True) as consumer,
+        ):
+            while loop.time() < deadline:
+                restart()
+                events = await consumer.poll(timeout_s=0.3)
+                if events and self.on_events is not None:
+                    self.on_events(time.time(), events)
+                book.add_all(events)
+                try:
+                    await self._act(log, book, approved, resolved)
+                except Exception:
+                    if not outages:
+                        raise
+                    await asyncio.sleep(0.5)  # the broker is down or paused: the next round tries again
+                more = until is not None and not until()
+                if not more and all(s in book.records and book.records[s].state.finished for s in self.sessions):
+                    return await self.read(), resolved
+        raise AssertionError(f"sessions did not finish in {deadline_s} s\n{self.describe(book)}")
+
+    async def _act(self, log: Any, book: SessionBook, approved: set[tuple[str, str]], resolved: list[str]) -> None:
+        for session in self.sessions:
+            record = book.records.get(session)
+            for call_id, tool in record.state.tool_calls.items() if record else ():
+                key = (session, call_id)
+                if tool.proposed.tool == "payment" and tool.status.value == "proposed" and key not in approved:
+                    await log.append(
+                        session,
+                        ev.ApprovalGiven(
+                            call_id=call_id, decision=ev.ApprovalDecision.APPROVE, author=OPERATOR, reason="ok"
+                        ),
+                    )
+                    approved.add(key)
+                    self.appended.add((session, "ApprovalGiven", call_id))
+                if tool.status.value == "in_doubt" and f"{session}/{call_id}" not in resolved:
+                    # The operator checks the outside world (the ledger): did the payment happen?
+                    done = tool.proposed.idempotency_key in dict(await self.payments())
+                    flag = "--mark-done" if done else "--retry"
+                    argv = ["approve", session, call_id, flag, "--log-url", self.log_url, "--reason", "ledger"]
+                    result = await asyncio.to_thread(
+                        CliRunner().invoke, app, argv, env={"AGENTLOG_NAMESPACE": self.namespace}
+                    )
+                    assert result.exit_code == 0, result.output
+                    resolved.append(f"{session}/{call_id}")
+
+    def describe(self, book: SessionBook) -> str:
+        states = "\n".join(
+            f"{s}: {r.state.status} llm={[(c, bool(x.completed)) for c, x in r.state.llm_calls.items()]} "
+            f"tools={[(c, t.status.value, t.attempts) for c, t in r.state.tool_calls.items()]} "
+            f"early={list(r.state.early)}"
+            for s, r in book.records.items()
+        )
+        logs = "\n".join(f"--- {n}\n{p.log_tail(60)}" for n, p in self.stack.processes.items())
+        return f"{states}\n{logs}"
+
+
+# ------------------------------------------------------------------------------ the fault schedule
+
+ROLES = ("planner-0", "planner-1", "decider", "executor", "engine")
+BROKER_KILL = "broker-kill"
+BROKER_PAUSE = "broker-pause"
+ENGINE_RESTART = "engine-restart"
+
+
+def kill(role: str) -> str:
+    return f"kill {role}"
+
+
+@dataclass(frozen=True)
+class Fault:
+    at_s: float
+    """Seconds after the first session was requested."""
+    kind: str
+    """``kill <role>`` (SIGKILL), ``broker-kill`` (SIGKILL, then a restart on the same port and
+    data), ``broker-pause`` (SIGSTOP past the consumers' session timeout, then SIGCONT) or
+    ``engine-restart`` (SIGTERM; the supervisor starts it again)."""
+
+
+def fault_schedule(
+    seed: int, num_faults: int, window_s: float, roles: tuple[str, ...] = ROLES, min_broker_kills: int = 1
+) -> list[Fault]:
+    """``num_faults`` faults at seeded random offsets in ``window_s``, sorted by time.
+
+    Broker faults are one in ten (at least ``min_broker_kills`` kills), kept at least
+    ``BROKER_GAP_S`` apart so that each outage is over before the next begins; every other
+    fault is a role SIGKILL or an engine restart, chosen uniformly."""
+    rng = random.Random(seed)
+    num_broker = min(num_faults, max(min_broker_kills, num_faults // 10))
+    slots = max(1, int(window_s // BROKER_GAP_S))
+    broker_slots = sorted(rng.sample(range(slots), min(num_broker, slots)))
+    faults = [
+        Fault(
+            round(slot * BROKER_GAP_S + rng.uniform(0, BROKER_GAP_S / 4), 3),
+            BROKER_KILL if i % 2 == 0 else BROKER_PAUSE,
+        )
+        for i, slot in enumerate(broker_slots)
+    ]
+    kinds = [kill(r) for r in roles] + [ENGINE_RESTART]
+    faults += [Fault(round(rng.uniform(0, window_s), 3), rng.choice(kinds)) for _ in range(num_faults - len(faults))]
+    return sorted(faults, key=lambda f: (f.at_s, f.kind))
+
+
+BROKER_GAP_S = 20.0
+PAUSE_S = 9.0
+"""Longer than the consumers' 6 s session timeout (log/kafka_backend.py): the group drops them."""
+
+
+class FaultInjector(threading.Thread):
+    """Applies a schedule to a running stack and broker, from its own thread."""
+
+    def __init__(self, schedule: list[Fault], stack: Stack, broker: LocalKafkaBroker) -> None:
+        super().__init__(name="faults", daemon=True)
+        self.schedule = schedule
+        self.stack = stack
+        self.broker = broker
+        self.applied: Counter[str] = Counter()
+        self.broker_back_at: list[float] = []
+        """time.time() of each broker kill or pause (its recovery is measured from there)."""
+        self.broker_down = threading.Event()
+        self.errors: list[str] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        began = time.monotonic()
+        for fault in self.schedule:
+            if self._halt.wait(max(0.0, began + fault.at_s - time.monotonic())):
+                return
+            try:
+                self.apply(fault.kind)
+                self.applied[fault.kind] += 1
+            except Exception as error:  # reported with the run's results
+                self.errors.append(f"{fault}: {type(error).__name__}: {error}")
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def apply(self, kind: str) -> None:
+        if kind == BROKER_KILL:
+            self.broker_down.set()
+            self.broker_back_at.append(time.time())
+            self.broker.kill()
+            self.broker.start()
+            self.broker_down.clear()
+        elif kind == BROKER_PAUSE:
+            pid = self.broker.pid
+            assert pid is not None
+            self.broker_back_at.append(time.time())
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(PAUSE_S)
+            os.kill(pid, signal.SIGCONT)
+        elif kind == ENGINE_RESTART:
+            self.stack.processes["engine"].stop()
+        else:
+            role = kind.removeprefix("kill ")
+            if role in self.stack.processes:
+                self.stack.processes[role].kill()
+
+
+# ------------------------------------------------------------------------------ one run
+
+
+@dataclass
+class ChaosReport:
+    sessions: int
+    faults: Counter[str]
+    finished: int = 0
+    failed_with_reason: int = 0
+    unended: list[str] = field(default_factory=list)
+    duplicate_payments: int = 0
+    missing_payments: int = 0
+    recomputed_llm_calls: int = 0
+    events_lost: int = 0
+    verify_problems: int = -1
+    dead_processes: list[str] = field(default_factory=list)
+    fault_errors: list[str] = field(default_factory=list)
+    recover_s: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.unended
+            and self.finished + self.failed_with_reason == self.sessions
+            and self.duplicate_payments == 0
+            and self.missing_payments == 0
+            and self.recomputed_llm_calls == 0
+            and self.events_lost == 0
+            and self.verify_problems == 0
+            and not self.dead_processes
+            and not self.fault_errors
+        )
+
+    def table(self) -> str:
+        rec = sorted(self.recover_s)
+        median = f"{statistics.median(rec):.1f} s" if rec else "n/a"
+        p95 = f"{rec[min(len(rec) - 1, max(0, round(0.95 * len(rec)) - 1))]:.1f} s" if rec else "n/a"
+        rows = [
+            ("sessions", str(self.sessions)),
+            ("faults injected", str(sum(self.faults.values()))),
+            *((f"  {kind}", str(n)) for kind, n in sorted(self.faults.items())),
+            ("sessions finished", str(self.finished)),
+            ("sessions failed (with a reason)", str(self.failed_with_reason)),
+            ("sessions not ended", str(len(self.unended))),
+            ("duplicate irreversible effects", str(self.duplicate_payments)),
+            ("completed effects missing in ledger", str(self.missing_payments)),
+            ("recomputed LLM calls", str(self.recomputed_llm_calls)),
+            ("events lost", str(self.events_lost)),
+            ("logctl verify problems", str(self.verify_problems)),
+            ("processes dead at the end", str(len(self.dead_processes))),
+            ("broker recoveries measured", str(len(rec))),
+            ("recover after broker fault, median", median),
+            ("recover after broker fault, p95", p95),
+            ("run time", f"{self.seconds:.0f} s"),
+            ("all invariants held", "yes" if self.ok else "NO"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v:>10}" for k, v in rows)
+
+
+@dataclass
+class ChaosRun:
+    work_dir: Path
+    pg_url: str
+    num_sessions: int
+    num_faults: int
+    seed: int
+    window_s: float = 0.0
+    """Faults and session requests are spread over this many seconds (0: a default from the counts)."""
+    time_scale: float = 0.1
+    deadline_s: float = 600.0
+
+    def run(self) -> ChaosReport:
+        window = self.window_s or max(30.0, self.num_faults * 3.0, self.num_sessions * 0.5)
+        schedule = fault_schedule(self.seed, self.num_faults, window)
+        namespace = f"chaos{uuid.uuid4().hex[:8]}"
+        # Unique per run (the ledger is shared and keyed by session): the seed decides the faults only.
+        sessions = [f"c{i}-{namespace}" for i in range(self.num_sessions)]
+        broker = LocalKafkaBroker(data_dir=self.work_dir / "kafka")
+        broker.start()
+        log_url = f"kafka://{broker.bootstrap_servers}"
+        env = {"AGENTLOG_NAMESPACE": namespace, "AGENTLOG_LEDGER_URL": self.pg_url, "AGENTLOG_LOG_LEVEL": "INFO"}
+        stack = Stack(log_url, self.work_dir / "stack", time_scale=self.time_scale, num_planners=2, extra_env=env)
+        stack.engine_port = free_port()
+        operator = Operator(log_url, namespace, self.pg_url, stack, [])
+        injector = FaultInjector(schedule, stack, broker)
+        began = time.monotonic()
+        try:
+            ensure_topics(log_url, namespace=namespace)
+            stack.start()
+            supervisor = Supervisor(stack, report=lambda line: None, backoff=lambda: Backoff(first_s=0.5, max_s=4.0))
+            pending = _RecoveryWatch(injector)
+            operator.on_events = pending.see
+            book, _ = asyncio.run(self._operate(operator, sessions, window, injector, supervisor))
+            report = self._check(operator, book, injector)
+            report.recover_s = pending.recovered
+        finally:
+            injector.stop()
+            stack.stop()
+            broker.stop()
+        report.seconds = time.monotonic() - began
+        return report
+
+    async def _operate(
+        self, operator: Operator, sessions: list[str], window: float, injector: FaultInjector, supervisor: Supervisor
+    ) -> tuple[SessionBook, list[str]]:
+        """Request the sessions spread over the fault window while the faults run, then one canary
+        session after the last fault (it finishes only if no consumer stopped), and operate."""
+
+        async def requests() -> None:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            async with open_log(operator.log_url, actor="operator", namespace=operator.namespace) as log:
+                for i, session in enumerate(sessions):
+                    await asyncio.sleep(max(0.0, start + i * window / len(sessions) - loop.time()))
+                    await _retrying(lambda i=i, session=session: operator.request(log, i, session))
+                    operator.sessions.append(session)
+                await asyncio.to_thread(injector.join)
+                canary = f"canary-{operator.namespace}"
+                await _retrying(lambda: operator.request(log, len(sessions), canary))
+                operator.sessions.append(canary)
+
+        injector.start()
+        task = asyncio.create_task(requests())
+        result = await operator.operate(
+            self.deadline_s + window, restart=supervisor.check, outages=True, until=task.done
+        )
+        await task  # raises if a request could not be appended at all
+        return result
+
+    def _check(self, operator: Operator, book: SessionBook, injector: FaultInjector) -> ChaosReport:
+        report = ChaosReport(sessions=len(operator.sessions), faults=injector.applied)
+        report.fault_errors = injector.errors
+        for session in operator.sessions:
+            state = book.records[session].state if session in book.records else None
+            status = state.status.value if state is not None and state.status is not None else None
+            if status == "finished":
+                report.finished += 1
+            elif status == "failed" and state is not None and state.failure:
+                report.failed_with_reason += 1
+            else:
+                report.unended.append(session)
+        payments = dict(asyncio.run(operator.payments()))
+        report.duplicate_payments = sum(n - 1 for n in payments.values() if n > 1)
+        completed = {
+            t.proposed.idempotency_key
+            for s in operator.sessions
+            if s in book.records
+            for t in book.records[s].state.tool_calls.values()
+            if t.proposed.tool == "payment" and t.status.value == "completed"
+        }
+        report.missing_payments = len(completed - set(payments))
+        distinct = sum(len(book.records[s].state.llm_calls) for s in operator.sessions if s in book.records)
+        report.recomputed_llm_calls = int(operator.engine_stats()["num_served"]) - distinct
+        seen: set[tuple[str, str, str]] = set()
+
+        def sink(events: list[Any]) -> None:
+            for e in events:
+                if getattr(e.body, "author", None) == OPERATOR:
+                    seen.add((e.session_id, type(e.body).__name__, getattr(e.body, "call_id", "")))
+
+        async def read_back() -> None:
+            async with open_log(operator.log_url, actor="auditor", namespace=operator.namespace) as log:
+                await read_log(log, sink, group=f"count-{uuid.uuid4().hex[:6]}", idle_polls=1)
+
+        asyncio.run(read_back())
+        report.events_lost = len(operator.appended - seen)
+        result = CliRunner().invoke(
+            app, ["verify", "--log-url", operator.log_url, "--json"], env={"AGENTLOG_NAMESPACE": operator.namespace}
+        )
+        report.verify_problems = len(json.loads(result.output)["problems"]) if result.output.strip() else -1
+        report.dead_processes = [n for n, p in operator.stack.processes.items() if not p.alive()]
+        return report
+
+
+async def _retrying(append: Callable[[], Any], attempts: int = 60) -> None:
+    """An append while the broker is down or paused fails; try again until it is back."""
+    for attempt in range(attempts):
+        try:
+            await append()
+            return
+        except Exception:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(1.0)
+
+
+@dataclass
+class _RecoveryWatch:
+    """Time from each broker fault until the operator sees the first event appended after it."""
+
+    injector: FaultInjector
+    recovered: list[float] = field(default_factory=list)
+    _done: int = 0
+
+    def see(self, now: float, events: list[Any]) -> None:
+        marks = self.injector.broker_back_at
+        while self._done < len(marks):
+            fault_at = marks[self._done]
+            if not any(e.envelope.occurred_at.timestamp() > fault_at for e in events):
+                return
+            self.recovered.append(now - fault_at)
+            self._done += 1
