@@ -124,12 +124,14 @@ class Operator:
         restart: Callable[[], None] | None = None,
         outages: bool = False,
         until: Callable[[], bool] | None = None,
+        on_watching: Callable[[], None] | None = None,
     ) -> tuple[SessionBook, list[str]]:
         """Operate until every session has ended (and ``until()``, if given, holds: more sessions
         may still be coming); then fold the whole log once more, cold.
 
         ``restart`` is called every round (default ``restart_dead``). With ``outages`` (the
         broker may be down or paused), an operator action that fails is tried again next round.
+        ``on_watching`` is called once the operator's consumer is open (faults may begin then).
         """
         restart = restart or self.restart_dead
         loop = asyncio.get_running_loop()
@@ -142,6 +144,8 @@ class Operator:
             open_log(self.log_url, actor="operator", namespace=self.namespace) as log,
             log.consumer(f"watch-{uuid.uuid4().hex[:6]}", topics, from_beginning=True) as consumer,
         ):
+            if on_watching is not None:
+                on_watching()
             while loop.time() < deadline:
                 restart()
                 events = await consumer.poll(timeout_s=0.3)
@@ -228,7 +232,9 @@ def fault_schedule(
     rng = random.Random(seed)
     num_broker = min(num_faults, max(min_broker_kills, num_faults // 10))
     slots = max(1, int(window_s // BROKER_GAP_S))
-    broker_slots = sorted(rng.sample(range(slots), min(num_broker, slots)))
+    # Not in the first slot: the stack and the operator are still connecting then.
+    first = 1 if slots > 1 else 0
+    broker_slots = sorted(rng.sample(range(first, slots), min(num_broker, slots - first)))
     faults = [
         Fault(
             round(slot * BROKER_GAP_S + rng.uniform(0, BROKER_GAP_S / 4), 3),
@@ -274,7 +280,8 @@ class FaultInjector(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
-        self.join()
+        if self.ident is not None:  # started
+            self.join()
 
     def apply(self, kind: str) -> None:
         if kind == BROKER_KILL:
@@ -416,17 +423,27 @@ class ChaosRun:
                     await asyncio.sleep(max(0.0, start + i * window / len(sessions) - loop.time()))
                     await _retrying(lambda i=i, session=session: operator.request(log, i, session))
                     operator.sessions.append(session)
-                await asyncio.to_thread(injector.join)
+                # Polled, not joined in a thread: a cancelled run must not wait for the schedule.
+                while injector.is_alive():  # noqa: ASYNC110 - a thread, not a coroutine, to wait for
+                    await asyncio.sleep(0.5)
                 canary = f"canary-{operator.namespace}"
                 await _retrying(lambda: operator.request(log, len(sessions), canary))
                 operator.sessions.append(canary)
 
-        injector.start()
-        task = asyncio.create_task(requests())
+        tasks: list[asyncio.Task[None]] = []
+
+        def begin() -> None:  # the operator is watching: faults and requests may start
+            injector.start()
+            tasks.append(asyncio.create_task(requests()))
+
         result = await operator.operate(
-            self.deadline_s + window, restart=supervisor.check, outages=True, until=task.done
+            self.deadline_s + window,
+            restart=supervisor.check,
+            outages=True,
+            until=lambda: bool(tasks) and tasks[0].done(),
+            on_watching=begin,
         )
-        await task  # raises if a request could not be appended at all
+        await tasks[0]  # raises if a request could not be appended at all
         return result
 
     def _check(self, operator: Operator, book: SessionBook, injector: FaultInjector) -> ChaosReport:

@@ -1,0 +1,61 @@
+"""Chaos at scale: sessions on a real stack while every role, the engine and the broker are hit.
+
+    python -m bench.chaos [--sessions 200] [--faults 100] [--seed 1] [--time-scale 0.1]
+        [--pg-url postgresql://...] [--work-dir DIR]
+
+A Kafka broker of the run's own (its own port and data directory) and the stack's processes
+(sim engine, two planners, decider, executor) under ``cli.stack.Supervisor``, as ``logctl up``
+runs them; sessions of LLM, tool and payment steps requested spread over the fault window,
+an operator loop approving payments and resolving in-doubt calls from the ledger, and the
+seeded fault schedule of ``bench/chaos_lib.py`` (same seed, same faults) applied from a thread:
+SIGKILL of each role, engine restarts, broker SIGKILL + restart, broker SIGSTOP past the
+consumers' session timeout + SIGCONT. The invariants are read back afterwards from the log,
+the ledger, the engine's /stats and ``logctl verify``; the exit code is 1 if any fails.
+
+Postgres (the ledger): ``--pg-url``, else ``AGENTLOG_PG_URL``, else the embedded server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.chaos_lib import ChaosRun
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, default=200)
+    parser.add_argument("--faults", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--time-scale", type=float, default=0.1, help="the sim engine's and tools' time factor")
+    parser.add_argument("--window", type=float, default=0.0, help="seconds to spread faults over (0: from counts)")
+    parser.add_argument("--pg-url", default=os.environ.get("AGENTLOG_PG_URL"))
+    parser.add_argument("--work-dir", type=Path, help="default: a fresh temp dir (kept: the processes' logs)")
+    args = parser.parse_args(argv)
+    pg_url = args.pg_url
+    if not pg_url:
+        from log.embedded import start_embedded
+
+        root = Path(tempfile.mkdtemp(prefix="agentlog-chaos-pg-"))
+        root.chmod(0o755)
+        pg_url = start_embedded(root / "data")
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="agentlog-chaos-"))
+    run = ChaosRun(
+        work, pg_url, args.sessions, args.faults, args.seed, window_s=args.window, time_scale=args.time_scale
+    )
+    report = run.run()
+    print(f"python -m bench.chaos --sessions {args.sessions} --faults {args.faults} --seed {args.seed}")
+    print(report.table())
+    for problem in report.fault_errors + [f"not ended: {s}" for s in report.unended]:
+        print(problem, file=sys.stderr)
+    if report.dead_processes:
+        print(f"dead at the end: {report.dead_processes} (logs under {work})", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
