@@ -17,141 +17,36 @@ tools and make irreversible payments, restarts whatever died, and checks:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any
 
-import asyncpg
 import pytest
-from typer.testing import CliRunner
 
+from bench.chaos_lib import Operator
 from cli.common import ensure_topics
-from cli.main import app
-from cli.sessions import SessionBook, read_sessions
+from cli.sessions import SessionBook
 from cli.stack import Stack
-from log import open_log
-from schemas import events as ev
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 NUM_SESSIONS = 4
 
 
-def script(i: int) -> dict[str, Any]:
-    """LLM, tool, LLM, payment, LLM: every kind of step, an irreversible one in the middle."""
-    return {
-        "steps": [
-            {"llm": {"prompt_tokens": 120, "output_tokens": 8}},
-            {"tool": "sleep", "arguments": {"seconds": 0.05}},
-            {"llm": {"prompt_tokens": 40, "output_tokens": 8}},
-            {"tool": "payment", "arguments": {"account": f"acct-{i}", "amount_cents": 100 + i}},
-            {"llm": {"prompt_tokens": 30, "output_tokens": 4}},
-        ]
-    }
+class Scenario(Operator):
+    """The operator loop of bench/chaos_lib.py on a stack of this test's own, on the shared broker."""
 
-
-class Scenario:
     def __init__(self, kafka: str, namespace: str, pg_url: str, work: Path) -> None:
-        self.log_url = f"kafka://{kafka}"
-        self.env = {"AGENTLOG_NAMESPACE": namespace, "AGENTLOG_LEDGER_URL": pg_url, "AGENTLOG_LOG_LEVEL": "INFO"}
-        self.namespace = namespace
-        self.pg_url = pg_url
-        self.stack = Stack(self.log_url, work, time_scale=1.0, extra_env=self.env)
-        self.sessions = [f"s{i}-{uuid.uuid4().hex[:4]}" for i in range(NUM_SESSIONS)]
-
-    async def request_all(self) -> None:
-        async with open_log(self.log_url, actor="operator", namespace=self.namespace) as log:
-            for i, session in enumerate(self.sessions):
-                await log.append(
-                    session, ev.SessionRequested(program="script", args_json=json.dumps(script(i)), author="test")
-                )
-
-    async def read(self) -> SessionBook:
-        async with open_log(self.log_url, actor="auditor", namespace=self.namespace) as log:
-            book = await read_sessions(log, group=f"check-{uuid.uuid4().hex[:6]}", idle_polls=1)
-        return book
-
-    async def operator(self, session: str, call: str, decision: ev.ApprovalDecision) -> None:
-        async with open_log(self.log_url, actor="operator", namespace=self.namespace) as log:
-            await log.append(
-                session, ev.ApprovalGiven(call_id=call, decision=decision, author="test-operator", reason="e2e")
-            )
-
-    async def payments(self) -> list[tuple[str, int]]:
-        conn = await asyncpg.connect(self.pg_url)
-        try:
-            rows = await conn.fetch(
-                "SELECT idempotency_key, count(*) FROM agentlog_ledger.payments WHERE session_id = ANY($1::text[]) "
-                "GROUP BY idempotency_key",
-                self.sessions,
-            )
-        finally:
-            await conn.close()
-        return [(r[0], r[1]) for r in rows]
-
-    def engine_stats(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{self.stack.engine_url}/stats", timeout=5) as response:
-            stats: dict[str, Any] = json.loads(response.read())
-            return stats
+        log_url = f"kafka://{kafka}"
+        env = {"AGENTLOG_NAMESPACE": namespace, "AGENTLOG_LEDGER_URL": pg_url, "AGENTLOG_LOG_LEVEL": "INFO"}
+        stack = Stack(log_url, work, time_scale=1.0, extra_env=env)
+        super().__init__(
+            log_url, namespace, pg_url, stack, [f"s{i}-{uuid.uuid4().hex[:4]}" for i in range(NUM_SESSIONS)]
+        )
 
     def drive(self, deadline_s: float = 150) -> tuple[SessionBook, list[str]]:
-        return asyncio.run(self._drive(deadline_s))
-
-    async def _drive(self, deadline_s: float) -> tuple[SessionBook, list[str]]:
         """Watch the log like an operator: approve held payments, resolve in-doubt calls, restart the dead."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + deadline_s
-        resolved: list[str] = []
-        approved: set[tuple[str, str]] = set()
-        book = SessionBook()
-        topics = ["agent.actions", "agent.verdicts", "agent.effects", "ops.commands"]
-        async with (
-            open_log(self.log_url, actor="operator", namespace=self.namespace) as log,
-            log.consumer(f"watch-{uuid.uuid4().hex[:6]}", topics, from_beginning=True) as consumer,
-        ):
-            while loop.time() < deadline:
-                for name, process in list(self.stack.processes.items()):
-                    if not process.alive():
-                        self.stack.start_process(name, {"AGENTLOG_CRASH_AT": ""})  # the restart runs clean
-                        if name == "engine":
-                            self.stack.wait_for_engine(30)
-                book.add_all(await consumer.poll(timeout_s=0.3))
-                for session in self.sessions:
-                    record = book.records.get(session)
-                    for call_id, tool in record.state.tool_calls.items() if record else ():
-                        key = (session, call_id)
-                        if tool.proposed.tool == "payment" and tool.status.value == "proposed" and key not in approved:
-                            await log.append(
-                                session,
-                                ev.ApprovalGiven(
-                                    call_id=call_id, decision=ev.ApprovalDecision.APPROVE, author="test", reason="ok"
-                                ),
-                            )
-                            approved.add(key)
-                        if tool.status.value == "in_doubt" and f"{session}/{call_id}" not in resolved:
-                            resolved.append(f"{session}/{call_id}")
-                            # The operator checks the outside world (the ledger): did the payment happen?
-                            done = tool.proposed.idempotency_key in dict(await self.payments())
-                            flag = "--mark-done" if done else "--retry"
-                            argv = ["approve", session, call_id, flag, "--log-url", self.log_url, "--reason", "ledger"]
-                            result = await asyncio.to_thread(
-                                CliRunner().invoke, app, argv, env={"AGENTLOG_NAMESPACE": self.namespace}
-                            )
-                            assert result.exit_code == 0, result.output
-                if all(s in book.records and book.records[s].state.finished for s in self.sessions):
-                    # Re-read everything once more, from a fresh group, to check with a cold fold.
-                    return await self.read(), resolved
-        states = "\n".join(
-            f"{s}: {r.state.status} llm={[(c, bool(x.completed)) for c, x in r.state.llm_calls.items()]} "
-            f"tools={[(c, t.status.value, t.attempts) for c, t in r.state.tool_calls.items()]} "
-            f"early={list(r.state.early)}"
-            for s, r in book.records.items()
-        )
-        logs = "\n".join(f"--- {n}\n{p.log_tail(60)}" for n, p in self.stack.processes.items())
-        raise AssertionError(f"sessions did not finish in {deadline_s} s\n{states}\n{logs}")
+        return asyncio.run(self.operate(deadline_s))
 
 
 CRASH_POINTS = [
