@@ -153,7 +153,10 @@ class Operator:
                     self.on_events(time.time(), events)
                 book.add_all(events)
                 try:
-                    await self._act(log, book, approved, resolved)
+                    if not outages:
+                        await self._act(log, book, approved, resolved)
+                    elif self._has_work(book, approved, resolved):
+                        await asyncio.wait_for(self._act_on_fresh_log(book, approved, resolved), ACT_TIMEOUT_S)
                 except Exception:
                     if not outages:
                         raise
@@ -162,6 +165,23 @@ class Operator:
                 if not more and all(s in book.records and book.records[s].state.finished for s in self.sessions):
                     return await self.read(), resolved
         raise AssertionError(f"sessions did not finish in {deadline_s} s\n{self.describe(book)}")
+
+    def _has_work(self, book: SessionBook, approved: set[tuple[str, str]], resolved: list[str]) -> bool:
+        for session in self.sessions:
+            record = book.records.get(session)
+            for call_id, tool in record.state.tool_calls.items() if record else ():
+                held = tool.proposed.tool == "payment" and tool.status.value == "proposed"
+                if held and (session, call_id) not in approved:
+                    return True
+                if tool.status.value == "in_doubt" and f"{session}/{call_id}" not in resolved:
+                    return True
+        return False
+
+    async def _act_on_fresh_log(self, book: SessionBook, approved: set[tuple[str, str]], resolved: list[str]) -> None:
+        """Across broker restarts, each round's appends go through a log (a producer) of its own:
+        an append whose acknowledgement was lost with the old broker must not hold the operator."""
+        async with open_log(self.log_url, actor="operator", namespace=self.namespace) as log:
+            await self._act(log, book, approved, resolved)
 
     async def _act(self, log: Any, book: SessionBook, approved: set[tuple[str, str]], resolved: list[str]) -> None:
         for session in self.sessions:
@@ -247,6 +267,8 @@ def fault_schedule(
     return sorted(faults, key=lambda f: (f.at_s, f.kind))
 
 
+ACT_TIMEOUT_S = 30.0
+"""An operator round (or a request) not acknowledged in this long is given up and tried again."""
 BROKER_GAP_S = 20.0
 PAUSE_S = 9.0
 """Longer than the consumers' 6 s session timeout (log/kafka_backend.py): the group drops them."""
@@ -393,10 +415,13 @@ class ChaosRun:
         operator = Operator(log_url, namespace, self.pg_url, stack, [])
         injector = FaultInjector(schedule, stack, broker)
         began = time.monotonic()
+        supervision: _Supervision | None = None
         try:
             ensure_topics(log_url, namespace=namespace)
             stack.start()
             supervisor = Supervisor(stack, report=lambda line: None, backoff=lambda: Backoff(first_s=0.5, max_s=4.0))
+            supervision = _Supervision(supervisor)
+            supervision.start()
             pending = _RecoveryWatch(injector)
             operator.on_events = pending.see
             book, _ = asyncio.run(self._operate(operator, sessions, window, injector, supervisor))
@@ -404,6 +429,8 @@ class ChaosRun:
             report.recover_s = pending.recovered
         finally:
             injector.stop()
+            if supervision is not None:
+                supervision.stop()
             stack.stop()
             broker.stop()
         report.seconds = time.monotonic() - began
@@ -418,17 +445,16 @@ class ChaosRun:
         async def requests() -> None:
             loop = asyncio.get_running_loop()
             start = loop.time()
-            async with open_log(operator.log_url, actor="operator", namespace=operator.namespace) as log:
-                for i, session in enumerate(sessions):
-                    await asyncio.sleep(max(0.0, start + i * window / len(sessions) - loop.time()))
-                    await _retrying(lambda i=i, session=session: operator.request(log, i, session))
-                    operator.sessions.append(session)
+            for i, session in enumerate(sessions):
+                await asyncio.sleep(max(0.0, start + i * window / len(sessions) - loop.time()))
+                await _retrying(operator, i, session)
+                operator.sessions.append(session)
                 # Polled, not joined in a thread: a cancelled run must not wait for the schedule.
                 while injector.is_alive():  # noqa: ASYNC110 - a thread, not a coroutine, to wait for
                     await asyncio.sleep(0.5)
-                canary = f"canary-{operator.namespace}"
-                await _retrying(lambda: operator.request(log, len(sessions), canary))
-                operator.sessions.append(canary)
+            canary = f"canary-{operator.namespace}"
+            await _retrying(operator, len(sessions), canary)
+            operator.sessions.append(canary)
 
         tasks: list[asyncio.Task[None]] = []
 
@@ -438,7 +464,7 @@ class ChaosRun:
 
         result = await operator.operate(
             self.deadline_s + window,
-            restart=supervisor.check,
+            restart=lambda: None,  # _Supervision restarts the dead
             outages=True,
             until=lambda: bool(tasks) and tasks[0].done(),
             on_watching=begin,
@@ -491,11 +517,17 @@ class ChaosRun:
         return report
 
 
-async def _retrying(append: Callable[[], Any], attempts: int = 60) -> None:
-    """An append while the broker is down or paused fails; try again until it is back."""
+async def _retrying(operator: Operator, i: int, session: str, attempts: int = 60) -> None:
+    """A request while the broker is down or paused fails (or is never acknowledged): try again,
+    each time through a log of its own, until the broker is back."""
+
+    async def once() -> None:
+        async with open_log(operator.log_url, actor="operator", namespace=operator.namespace) as log:
+            await operator.request(log, i, session)
+
     for attempt in range(attempts):
         try:
-            await append()
+            await asyncio.wait_for(once(), ACT_TIMEOUT_S)
             return
         except Exception:
             if attempt == attempts - 1:
@@ -519,3 +551,20 @@ class _RecoveryWatch:
                 return
             self.recovered.append(now - fault_at)
             self._done += 1
+
+
+class _Supervision(threading.Thread):
+    """Runs the supervisor on its own, as ``logctl up`` does: roles come back whatever the operator is waiting on."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        super().__init__(name="supervisor", daemon=True)
+        self.supervisor = supervisor
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(0.2):
+            self.supervisor.check()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
