@@ -148,11 +148,11 @@ class Operator:
                 on_watching()
             while loop.time() < deadline:
                 restart()
-                events = await consumer.poll(timeout_s=0.3)
-                if events and self.on_events is not None:
-                    self.on_events(time.time(), events)
-                book.add_all(events)
                 try:
+                    events = await consumer.poll(timeout_s=0.3)
+                    if events and self.on_events is not None:
+                        self.on_events(time.time(), events)
+                    book.add_all(events)
                     if not outages:
                         await self._act(log, book, approved, resolved)
                     elif self._has_work(book, approved, resolved):
