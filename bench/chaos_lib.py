@@ -1,10 +1,10 @@
 """Chaos on a real stack: sessions, an operator loop, a seeded fault schedule, and the invariants.
 
 Shared by ``bench/chaos.py`` (at scale) and the end-to-end tests (``tests/e2e/test_recovery.py``
-drives its crash-point scenarios with ``Operator``; ``tests/e2e/test_chaos.py`` is a small
-seeded ``ChaosRun``). Everything is real: OS processes from ``cli.stack``, a Kafka broker of
-the run's own (``LocalKafkaBroker``, its own port and data directory, so it can be SIGKILLed,
-paused and restarted without touching anyone else's), and Postgres for the ledger.
+drives its crash-point scenarios with ``Operator``). Everything is real: OS processes from
+``cli.stack``, a Kafka broker of the run's own (``LocalKafkaBroker``, its own port and data
+directory, so it can be SIGKILLed, paused and restarted without touching anyone else's), and
+Postgres for the ledger.
 
 ``fault_schedule`` is pure: the same seed gives the same faults at the same offsets.
 The invariants are read back from the log, the ledger and the engine's record after the run,
