@@ -26,7 +26,12 @@ What the command line configures, and why:
 - ``--structured-outputs-config`` without free whitespace (guided JSON from a random model);
 - ``--chat-template``: ``chat_template.jinja`` here for a local model that has none (the tiny
   test model), so ``/v1/chat/completions`` works; with a named ``tool_choice`` vLLM constrains
-  the reply to the function's schema, so no tool parser is needed;
+  the reply to the function's schema;
+- ``--enable-auto-tool-choice --tool-call-parser pythonic`` (``tool_call_parser``): vLLM
+  (0.32) refuses a named or ``required`` ``tool_choice`` unless a parser is loaded (and loads
+  one only with auto tool choice on), though it builds a named call from the constrained
+  output without parsing; ``pythonic`` needs no special tokens, so it loads with any
+  tokenizer. An ``auto`` choice is then parsed as Python-style calls;
 - on a machine without a GPU: ``--enforce-eager`` (no torch.compile: starts in ~35 s
   instead of ~90 s on 2 cores) and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB).
 
@@ -108,6 +113,8 @@ class VllmServerConfig:
     extra_args: list[str] = field(default_factory=list)
     chat_template: Path | None = None
     """A Jinja chat template (default: ``CHAT_TEMPLATE`` for a local model without one)."""
+    tool_call_parser: str | None = "pythonic"
+    """Lets vLLM accept a named or ``required`` ``tool_choice`` (see the module docstring)."""
 
     @property
     def url(self) -> str:
@@ -169,6 +176,8 @@ class VllmServerConfig:
         template = self.chat_template or (CHAT_TEMPLATE if needs_chat_template(self.model) else None)
         if template is not None:
             cmd += ["--chat-template", str(template)]
+        if self.tool_call_parser:
+            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         return [*cmd, *self.extra_args]
 
     def env(self) -> dict[str, str]:
