@@ -37,6 +37,15 @@ class WorkerClass(Protocol):
     async def create(self, log: SharedLog, args: argparse.Namespace) -> Worker: ...
 
 
+def _port(value: str) -> int | None:
+    """A port number for ``--metrics-port`` (argparse also applies it to the environment's default)."""
+    if value == "":
+        return None
+    if not value.isdigit() or int(value) > 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number ({METRICS_PORT_ENV} or the option)")
+    return int(value)
+
+
 def run_worker(worker_class: WorkerClass, argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m workers.{worker_class.role.replace('-', '_')}")
     parser.add_argument("--log-url", default=os.environ.get("AGENTLOG_LOG_URL"), help="default: embedded Postgres")
@@ -50,6 +59,7 @@ def run_worker(worker_class: WorkerClass, argv: list[str] | None = None) -> None
     parser.add_argument("--log-format", choices=LOG_FORMATS, default=os.environ.get(LOG_FORMAT_ENV) or "text")
     parser.add_argument(
         "--metrics-port",
+        type=_port,
         default=os.environ.get(METRICS_PORT_ENV),
         help="serve /metrics and /health on this port (0: any free port; default: no metrics)",
     )
@@ -61,12 +71,6 @@ def run_worker(worker_class: WorkerClass, argv: list[str] | None = None) -> None
     add_plugin_arguments(parser)
     worker_class.add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.metrics_port is not None and args.metrics_port != "":
-        if not str(args.metrics_port).isdigit() or int(args.metrics_port) > 65535:
-            parser.error(f"--metrics-port / {METRICS_PORT_ENV}: {args.metrics_port!r} is not a port number")
-        args.metrics_port = int(args.metrics_port)
-    else:
-        args.metrics_port = None
     args.registry = registry_from_args(parser, args)  # every role sees the same programs, tools, voters
     configure_logging(worker_class.role, args.log_level, args.log_format)
     try:
