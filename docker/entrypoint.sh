@@ -11,8 +11,9 @@ case "$role" in
   cache-manager) exec python3 -m workers.cache_manager "$@" ;;
   engine-bridge) exec python3 -m workers.engine_bridge "$@" ;;
   gateway)       exec python3 -m workers.gateway "$@" ;;
+  recorder)      exec python3 -m workers.engines.recorder "$@" ;;
   logctl)        exec logctl "$@" ;;
   *)
-    echo "agentlog image: unknown role '$role'; use one of: engine planner decider executor cache-manager engine-bridge gateway logctl" >&2
+    echo "agentlog image: unknown role '$role'; use one of: engine planner decider executor cache-manager engine-bridge gateway recorder logctl" >&2
     exit 2 ;;
 esac

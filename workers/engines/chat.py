@@ -150,7 +150,7 @@ class ChatEngine(HttpEngine):
             queue_ms=queue_ms,
             prefill_ms=prefill_ms,
             decode_ms=decode_ms,
-            replayed=replayed,
+            replayed=self.replayed(body, replayed),
             tool_calls=calls,
         )
 

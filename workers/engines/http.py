@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 
 from schemas.events import EngineId
+from services.engine.record import RECORD_FIELD
 from services.programs.base import Prompt
 from workers.engines.base import Completion, EngineError, EngineUnavailable
 
@@ -46,6 +47,11 @@ class HttpEngine:
         else:
             payload["prompt_runs"] = prompt.to_json()["runs"]
         return payload
+
+    def replayed(self, body: dict[str, Any], engine_says: bool) -> bool:
+        """Was this answer a replay: by the engine's own record (the simulated engine), or by the
+        engine recorder in front of it (``workers/engines/recorder.py``)?"""
+        return engine_says or bool((body.get(RECORD_FIELD) or {}).get("replayed", False))
 
     def timings(self, body: dict[str, Any], total_ms: float) -> tuple[float, float, float, bool]:
         """``(queue_ms, prefill_ms, decode_ms, replayed)`` from the answer (agentlog's sim engine
@@ -89,7 +95,7 @@ class HttpEngine:
             queue_ms=queue_ms,
             prefill_ms=prefill_ms,
             decode_ms=decode_ms,
-            replayed=replayed,
+            replayed=self.replayed(body, replayed),
         )
 
     async def post(

@@ -17,7 +17,8 @@ What it adds to ``HttpEngine`` (whose request already carries ``session_id`` and
 
 Greedy decoding (temperature 0) by default: a recorded output is then what the model says.
 vLLM does not remember answers: a retried request id is computed again (the simulated engine
-answers it from its record), which the planner's log makes harmless.
+answers it from its record) unless the planner reaches vLLM through the engine recorder
+(``workers/engines/recorder.py``), which answers it from a durable record.
 """
 
 from __future__ import annotations
