@@ -11,7 +11,7 @@ from cli.errors import CliError
 from log import TOPICS, LoggedEvent, SharedLog, open_log
 from log.backend import Backend
 from log.topics import DEFAULT_PARTITIONS
-from services.session import SessionState, fold
+from services.session import SessionState
 
 # The namespace is read from AGENTLOG_NAMESPACE by log.urls (a topic prefix on Kafka, a schema on Postgres).
 LogUrl = Annotated[
@@ -48,11 +48,12 @@ def load_plugins(plugins: str | None) -> Registry:
 async def require_session(log: SharedLog, session_id: str) -> tuple[SessionState, list[LoggedEvent]]:
     """The session's folded state and history; refuses (before anything is appended) a session
     that was never requested or started: an operator command for it would stay in the log forever."""
-    history = await log.history(session_id)
-    state = fold(session_id, [e.envelope for e in history])
-    if state.status is None:
-        raise CliError(f"no session {session_id!r} in the log (logctl sessions lists them); nothing was appended")
-    return state, history
+    from workers.operator import UnknownSession, known_session
+
+    try:
+        return await known_session(log, session_id)
+    except UnknownSession as e:
+        raise CliError(f"{e} (logctl sessions lists them)") from None
 
 
 async def init_log(
