@@ -57,6 +57,17 @@ def up(
         bool, typer.Option("--gateway", help="Also run the OpenAI-compatible gateway (workers.gateway)")
     ] = False,
     gateway_port: Annotated[int, typer.Option(help="The gateway's port")] = 8200,
+    projector: Annotated[
+        bool, typer.Option("--projector", help="Also run the projector: the Postgres read model (docs/projector.md)")
+    ] = False,
+    console: Annotated[
+        bool,
+        typer.Option(
+            "--console",
+            help="Also run the web console (needs --projector and AGENTLOG_CONSOLE_PASSWORD; docs/console.md)",
+        ),
+    ] = False,
+    console_port: Annotated[int, typer.Option(help="The web console's port")] = 8300,
 ) -> None:
     """Start the engine and every worker as local processes, and keep them running; Ctrl-C (or
     SIGTERM) stops them gracefully.
@@ -79,6 +90,19 @@ def up(
             "(python -m log.local_kafka start --secure prints it), or pass --insecure for a plaintext broker"
         )
 
+    if console and not projector:
+        raise typer.BadParameter("--console reads the projector's read model: pass --projector too")
+    if projector:
+        from workers.projector import model_url
+
+        if model_url(None, log_url) is None:
+            raise typer.BadParameter(
+                "--projector needs a Postgres for the read model: set AGENTLOG_READ_MODEL_URL (or use a Postgres log)"
+            )
+    if console and not (
+        os.environ.get("AGENTLOG_CONSOLE_PASSWORD") or os.environ.get("AGENTLOG_CONSOLE_AUDITOR_PASSWORD")
+    ):
+        raise typer.BadParameter("--console needs AGENTLOG_CONSOLE_PASSWORD (the operator's login) or an auditor's")
     load_plugins(plugins)  # a bad plugin stops here, before any process starts
     directory = work_dir or data_dir() / "stack"
     memory = ["--gpu-blocks", str(gpu_blocks), "--host-blocks", str(host_blocks)]
@@ -94,6 +118,9 @@ def up(
         metrics_port_base=metrics_port,
         gateway=gateway,
         gateway_port=gateway_port,
+        projector=projector,
+        console=console,
+        console_port=console_port,
     )
     ensure_topics(log_url)
     stack.start()
@@ -104,6 +131,8 @@ def up(
     typer.echo(f"engine     {stack.engine_url}")
     if gateway:
         typer.echo(f"gateway    {stack.gateway_url} (OpenAI base URL; send the X-Agentlog-Session header)")
+    if console:
+        typer.echo(f"console    http://127.0.0.1:{stack.console_port}/")
     typer.echo("running; Ctrl-C to stop")
     # Ctrl-C and a process manager's SIGTERM both stop the stack gracefully; set explicitly,
     # because a shell that starts us in the background leaves SIGINT ignored, and Python's
@@ -345,15 +374,17 @@ def approve(
         if mark_done
         else ev.ApprovalDecision.APPROVE
     )
-    body = ev.ApprovalGiven(
-        call_id=call_id, decision=decision, author=author or os.environ.get("USER", "operator"), reason=reason
-    )
+    who = author or os.environ.get("USER", "operator")
 
     async def send() -> None:
+        from workers.operator import UnknownSession, decide
+
         async with open_log(log_url, actor="operator") as log:
-            await require_session(log, session_id)
-            position = await log.append(session_id, body)
-            typer.echo(f"{decision.value} {session_id} {call_id} by {body.author} at {position}")
+            try:
+                _, position = await decide(log, session_id, call_id, decision, author=who, reason=reason)
+            except UnknownSession as e:
+                raise CliError(f"{e} (logctl sessions lists them)") from None
+            typer.echo(f"{decision.value} {session_id} {call_id} by {who} at {position}")
 
     asyncio.run(send())
 

@@ -19,6 +19,7 @@ import typer
 
 from cli import agents, analyze, audit, branches
 from cli.common import Json, LogUrl, init_log
+from cli.console import ui
 from cli.errors import OneLineErrors
 from cli.projector import app as projector_app
 from cli.render import event_line, event_to_json, to_json
@@ -41,6 +42,7 @@ branches.register(app)
 analyze.register(app)
 app.command()(audit.verify)
 app.command()(audit.audit)
+app.command()(ui)
 app.add_typer(trace_app, name="trace", help="Import, generate and describe agent traces (docs/trace-format.md).")
 app.add_typer(projector_app, name="projector", help="The projector's Postgres read model (docs/projector.md).")
 

@@ -6,6 +6,9 @@ cache manager (``workers.cache_manager``); ``engine_args`` and ``cache_manager_a
 pass options to the engine and the cache manager (e.g. ``--gpu-blocks N``). With
 ``gateway=True`` it starts the OpenAI-compatible gateway (``workers.gateway``) on
 ``gateway_port`` (0: a free port), in front of the engine; ``gateway_args`` pass it options.
+With ``projector=True`` it starts the projector (``workers.projector``: the Postgres read model
+of docs/projector.md); with ``console=True`` the web console (``workers.console``, docs/console.md)
+on ``console_port``, ``console_args`` passed to it.
 
 Every process is a plain ``python -m workers.<role>`` child with the log URL in
 its environment, so ``kill -9`` of any of them is exactly what a crash is.
@@ -88,12 +91,16 @@ class Process:
 
 
 _FULL_NAME_PRINCIPALS = ("engine-bridge", "cache-manager")
+_PRINCIPAL_OF = {"console": "operator"}
+"""Processes named otherwise than their principal: the console appends as the operator."""
 
 
 def _principal(name: str) -> str | None:
     """The Kafka principal a process of the stack logs in as (the engine has none)."""
     if name == "engine":
         return None
+    if name in _PRINCIPAL_OF:
+        return _PRINCIPAL_OF[name]
     for principal in _FULL_NAME_PRINCIPALS:
         if name.startswith(principal):
             return principal
@@ -121,6 +128,10 @@ class Stack:
     gateway: bool = False
     gateway_port: int = 0
     gateway_args: list[str] = field(default_factory=list)
+    projector: bool = False
+    console: bool = False
+    console_port: int = 0
+    console_args: list[str] = field(default_factory=list)
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
@@ -174,11 +185,16 @@ class Stack:
         if self.gateway:
             self.gateway_port = self.gateway_port or free_port()
             self.start_process("gateway")
+        if self.projector:
+            self.start_process("projector")
+        if self.console:
+            self.console_port = self.console_port or free_port()
+            self.start_process("console")
         return self
 
     def start_process(self, name: str, env: dict[str, str] | None = None) -> Process:
         """Start (or restart) one process of the stack by name: engine, decider, executor, planner-N,
-        engine-bridge, cache-manager, gateway."""
+        engine-bridge, cache-manager, gateway, projector, console."""
         if name == "engine":
             args = ["--port", str(self.engine_port), "--state-dir", str(self.work_dir / "engine"), *self.engine_args]
             process = self._process(name, "workers.engines.sim_server", args, env)
@@ -194,6 +210,10 @@ class Stack:
         elif name == "gateway":
             args = ["--engine-url", self.engine_url, "--port", str(self.gateway_port), *self.gateway_args]
             process = self._process(name, "workers.gateway", args, env)
+        elif name == "console":
+            process = self._process(
+                name, "workers.console", ["--port", str(self.console_port), *self.console_args], env
+            )
         elif name == "executor":
             process = self._process(name, "workers.executor", ["--sandbox", str(self.work_dir / "sandbox")], env)
         else:

@@ -123,6 +123,9 @@ class ReadModel:
             statements.append(
                 f'CREATE TABLE IF NOT EXISTS "{self.schema}".{table} ({cols}, PRIMARY KEY ({", ".join(KEYS[table])}))'
             )
+        # The console reads these tables one session at a time (their keys are event ids).
+        for table in ("approvals", "kv_decisions", "cache_hits", "merges"):
+            statements.append(f'CREATE INDEX IF NOT EXISTS {table}_by_session ON "{self.schema}".{table} (session_id)')
         statements.append(
             f'CREATE TABLE IF NOT EXISTS "{self.schema}".offsets '
             "(topic text, partition integer, next_offset bigint NOT NULL, PRIMARY KEY (topic, partition))"
