@@ -1,5 +1,5 @@
 # One image for every agentlog role: `docker run IMAGE ROLE [ARGS]`, ROLE one of engine, planner,
-# decider, executor, cache-manager, engine-bridge, gateway, logctl (docker/entrypoint.sh). docker-compose.yml
+# decider, executor, cache-manager, engine-bridge, gateway, projector, console, logctl (docker/entrypoint.sh). docker-compose.yml
 # runs the whole stack from it.
 #
 # PYTHON_IMAGE is any Debian-based image with python3 (3.11+) and its venv module; the default is

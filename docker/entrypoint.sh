@@ -12,8 +12,10 @@ case "$role" in
   engine-bridge) exec python3 -m workers.engine_bridge "$@" ;;
   gateway)       exec python3 -m workers.gateway "$@" ;;
   recorder)      exec python3 -m workers.engines.recorder "$@" ;;
+  projector)     exec python3 -m workers.projector "$@" ;;
+  console)       exec python3 -m workers.console "$@" ;;
   logctl)        exec logctl "$@" ;;
   *)
-    echo "agentlog image: unknown role '$role'; use one of: engine planner decider executor cache-manager engine-bridge gateway recorder logctl" >&2
+    echo "agentlog image: unknown role '$role'; use one of: engine planner decider executor cache-manager engine-bridge gateway recorder projector console logctl" >&2
     exit 2 ;;
 esac

@@ -23,5 +23,8 @@ umask 077
   echo "AGENTLOG_VLLM_CONTROL_TOKEN=$(secret)"
   echo "AGENTLOG_GRAFANA_PASSWORD=$(secret)"
   echo "AGENTLOG_GATEWAY_API_KEY=$(secret)"
+  echo "AGENTLOG_CONSOLE_PASSWORD=$(secret)"
+  echo "AGENTLOG_CONSOLE_AUDITOR_PASSWORD=$(secret)"
+  echo "AGENTLOG_CONSOLE_SECRET=$(secret)"
 } > "$file"
 echo "wrote $file"

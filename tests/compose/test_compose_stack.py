@@ -7,7 +7,8 @@ and builds the project's Dockerfile on them; the compose file is pointed at them
 a payment held for approval), crashes the executor (SIGKILL of its process: the restart policy
 brings it back) and ``docker kill``s the planner (a manual stop: started again as an operator
 would), and checks from the log and the ledger that every session finished, that the payment
-ran exactly once and that ``logctl verify`` passes. Skipped where no Docker engine answers,
+ran exactly once, that the projector's read model holds the finished sessions (the console's
+health check passes on it) and that ``logctl verify`` passes. Skipped where no Docker engine answers,
 unless ``AGENTLOG_REQUIRE_DOCKER=1`` (CI sets it when it started one).
 """
 
@@ -128,7 +129,7 @@ def _wait_finished(stack: Compose, ids: set[str], deadline_s: float = 180) -> di
     raise AssertionError(f"sessions did not finish in {deadline_s:g} s: {rows}")
 
 
-WORKERS = ("planner", "decider", "executor", "cache-manager", "engine-bridge")
+WORKERS = ("planner", "decider", "executor", "cache-manager", "engine-bridge", "projector", "console")
 
 
 def _health(stack: Compose, service: str) -> str:
@@ -192,8 +193,19 @@ def test_the_stack_runs_sessions_survives_worker_kills_and_pays_once(compose: Co
         "SELECT count(*) FROM agentlog_ledger.payments WHERE session_id = 'pay-0000'",
     ).stdout.strip()  # fmt: skip
     assert paid == "1", f"the payment ran {paid} times"
+    # The projector's read model (compose's Postgres) holds every session, finished.
+    deadline = time.monotonic() + 60
+    while (projected := _psql(stack, "SELECT count(*) FROM agentlog_read.sessions WHERE finished_at IS NOT NULL")) < 6:
+        assert time.monotonic() < deadline, f"the read model has {projected} finished sessions of 6"
+        time.sleep(2)
+    assert _psql(stack, "SELECT count(*) FROM agentlog_read.tool_calls WHERE session_id = 'pay-0000'") == 1
     verified = stack("run", "--rm", "-T", "logctl", "verify")
     assert verified.returncode == 0 and "OK:" in verified.stdout, verified.stdout + verified.stderr
+
+
+def _psql(stack: Compose, query: str) -> int:
+    found = stack("exec", "-T", "postgres", "psql", "-U", "agentlog", "-d", "agentlog", "-tAc", query, check=False)
+    return int(found.stdout.strip() or 0) if found.returncode == 0 else -1
 
 
 def _proposed(stack: Compose) -> bool:

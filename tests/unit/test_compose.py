@@ -19,7 +19,10 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
-ROLES = {"engine", "planner", "decider", "executor", "cache-manager", "engine-bridge", "gateway", "logctl"}
+ROLES = {
+    "engine", "planner", "decider", "executor", "cache-manager", "engine-bridge", "gateway", "projector", "console",
+    "logctl",
+}  # fmt: skip
 
 
 def password_variable(principal: str) -> str:
@@ -97,19 +100,21 @@ def test_each_process_is_its_own_principal_and_writes_only_its_topic(services: d
         "engine-bridge": "engine-bridge",
         "vllm-bridge": "engine-bridge",
         "gateway": "gateway",
+        "projector": "projector",
+        "console": "operator",
         "logctl": "operator",
     }
     assert {name: s["environment"]["AGENTLOG_KAFKA_USERNAME"] for name, s in processes.items()} == expected
     for name, s in processes.items():
         principal = s["environment"]["AGENTLOG_KAFKA_USERNAME"]
         assert s["environment"]["AGENTLOG_KAFKA_PASSWORD"].startswith(f"${{{password_variable(principal)}:?"), name
-        if principal in BY_PRINCIPAL and name not in ("logctl",):
+        if principal in BY_PRINCIPAL and name not in ("logctl", "console", "projector"):
             owned = [t.name for t in topic_table.TOPICS if t.owner == principal]
             assert len(owned) == 1, f"{principal} owns {owned}"
 
 
 def test_workers_restart_and_wait_for_init_and_their_dependencies(services: dict[str, Any]) -> None:
-    for name in ("planner", "decider", "executor", "cache-manager", "engine-bridge"):
+    for name in ("planner", "decider", "executor", "cache-manager", "engine-bridge", "projector", "console"):
         s = services[name]
         assert s["restart"] == "unless-stopped", name
         assert s["depends_on"]["init"] == {"condition": "service_completed_successfully"}, name
@@ -136,6 +141,8 @@ def test_compose_env_writes_every_password_the_file_needs() -> None:
         "AGENTLOG_POSTGRES_PASSWORD",
         "AGENTLOG_VLLM_CONTROL_TOKEN",
         "AGENTLOG_GRAFANA_PASSWORD",
+        "AGENTLOG_CONSOLE_PASSWORD",
+        "AGENTLOG_CONSOLE_AUDITOR_PASSWORD",
     }
     assert needed <= written
     assert {password_variable(p) for p in PRINCIPALS} <= written
@@ -147,7 +154,9 @@ def test_prometheus_scrapes_every_process_that_serves_metrics(services: dict[str
     serving = {
         f"{name}:{s['environment']['AGENTLOG_METRICS_PORT']}"
         for name, s in services.items()
-        if "AGENTLOG_METRICS_PORT" in s.get("environment", {}) and "profiles" not in s and name != "init"
+        if "AGENTLOG_METRICS_PORT" in s.get("environment", {})
+        and "profiles" not in s
+        and name not in ("init", "console")  # the console is no worker: its /health is its own
     }
     assert serving and targets == serving
 
@@ -164,3 +173,13 @@ def test_the_dashboard_queries_only_documented_metrics() -> None:
         for name in re.findall(r"agentlog_[a-z_]+", target["expr"])
     }
     assert used and used <= documented, used - documented
+
+
+def test_the_projector_and_the_console_run_in_the_stack(services: dict[str, Any]) -> None:
+    projector, console = services["projector"], services["console"]
+    assert projector["command"] == ["projector"] and "healthcheck" in projector  # the worker's /health
+    assert console["depends_on"]["projector"] == {"condition": "service_healthy"}
+    assert "8300/health" in " ".join(console["healthcheck"]["test"])
+    assert console["command"][:1] == ["console"] and "8300" in console["command"]
+    for variable in ("AGENTLOG_CONSOLE_PASSWORD", "AGENTLOG_CONSOLE_AUDITOR_PASSWORD", "AGENTLOG_CONSOLE_SECRET"):
+        assert console["environment"][variable].startswith(f"${{{variable}:?"), "from .env, never in the file"
