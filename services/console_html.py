@@ -47,6 +47,7 @@ form.inline{display:inline}button{font:inherit;padding:2px 10px;margin-right:4px
 button.approve,button.retry{background:#d7f2dc}button.deny{background:#ffd9d6}
 .card{background:#fff;padding:12px;border:1px solid #e3e6eb;margin-bottom:12px}
 .err{background:#ffd9d6;padding:8px 12px;border:1px solid #e8a39c}
+#events td.mono{max-width:460px;overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
 ul.tree{list-style:none;padding-left:18px;border-left:1px dotted #9aa6bd}
 """
 
@@ -325,9 +326,14 @@ def _decisions_svg(view: CacheView, width: int = 1100, height: int = 160) -> str
                 f'fill="{_ACTION_COLOR[action]}"><title>{_time(at)}: {n} {action}</title></rect>'
             )
     parts.append(f'<text x="4" y="14">{top}</text><text x="4" y="{height}">0</text>')
+    first, last = view.buckets[0][0], view.buckets[-1][0]
+    parts.append(
+        f'<text x="50" y="{height + 12}" fill="#6b7488">{_time(first)}</text>'
+        f'<text x="{width - 10}" y="{height + 12}" text-anchor="end" fill="#6b7488">{_time(last)}</text>'
+    )
     legend = "".join(
-        f'<rect x="{50 + i * 110}" y="{height + 18}" width="10" height="10" fill="{c}"/>'
-        f'<text x="{64 + i * 110}" y="{height + 27}">{a}</text>'
+        f'<rect x="{50 + i * 110}" y="{height + 22}" width="10" height="10" fill="{c}"/>'
+        f'<text x="{64 + i * 110}" y="{height + 31}">{a}</text>'
         for i, (a, c) in enumerate(_ACTION_COLOR.items())
     )
     parts.append(legend + "</svg>")
