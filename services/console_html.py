@@ -51,6 +51,8 @@ button.approve,button.retry{background:#d7f2dc}button.deny{background:#ffd9d6}
 ul.tree{list-style:none;padding-left:18px;border-left:1px dotted #9aa6bd}
 """
 
+MAX_LISTED = 300
+"""Rows of a session's decisions table (a long session's are all in its timeline)."""
 _NONE = "<tr><td colspan={} class=muted>none</td></tr>"
 _LANE_COLOR = {"llm": "#3b7ddd", "gap": "#f2b84b", "tool": "#5aa469", "approval": "#b5487a", "kv": "#8a63d2"}
 _ACTION_COLOR = {
@@ -265,9 +267,11 @@ def session_page(
         f"<td class=n>{(x.cached_tokens / x.prompt_tokens if x.prompt_tokens else 0):.0%}</td></tr>"
         for x in t.turns
     )
-    tools = "".join(
-        f"<tr><td>{e(b.label)}</td><td>{e(b.detail)}</td></tr>" for b in t.bars if b.lane in ("tool", "approval", "kv")
-    )
+    listed = [b for b in t.bars if b.lane in ("tool", "approval", "kv")]
+    tools = "".join(f"<tr><td>{e(b.label)}</td><td>{e(b.detail)}</td></tr>" for b in listed[-MAX_LISTED:])
+    if len(listed) > MAX_LISTED:
+        note = f"the last {MAX_LISTED} of {len(listed):,} (all in the timeline)"
+        tools = f"<tr><td colspan=2 class=muted>{note}</td></tr>{tools}"
     raw = "".join(
         f"<tr><td class=mono>{e(r.topic)}/{r.partition}@{r.offset}</td><td class=n>{r.seq}</td>"
         f'<td class=mono title="hash {e(r.hash)}">{e(r.prev_hash[:12])}</td>'
