@@ -345,7 +345,7 @@ class Console:
             raise web.HTTPNotFound(text=str(e)) from None
         _log.info("console: %s %s %s by %s at %s", decision.value, session_id, call_id, login.user, position)
         back = _local(str(form.get("back", "/waiting")))
-        done = f"{decision.value} {session_id} {call_id}"
+        done = f"{decision.value} {session_id} {call_id} appended at {position} (the lists show it once projected)"
         raise web.HTTPSeeOther(back + ("?" if "?" not in back else "&") + urlencode({"done": done}))
 
 
