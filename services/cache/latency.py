@@ -138,6 +138,34 @@ class ToolLatencyModel:
         excess = total - count * x
         return (excess + prior_mass * m) / (count + prior_mass) if count + prior_mass > 0 else m
 
+    def mean_residual_life_bound(self, tool: str, lo_s: float, hi_s: float) -> float:
+        """An upper bound of ``mean_residual_life(tool, x)`` for every ``x`` in ``[lo_s, hi_s]``, in
+        two queries, however many ages the interval holds: the excess ``sum_{d_i > x} (d_i - x)``
+        and the prior's survival only shrink as ``x`` grows, and so does the count above ``x``,
+        so the numerator at ``lo_s`` over the denominator at ``hi_s`` bounds every ``x`` between
+        (equal to ``MRL(lo_s)`` when ``lo_s == hi_s``; ``inf`` where the prior underflows)."""
+        a = max(0.0, lo_s)
+        b = max(a, hi_s)
+        m, k = self._prior(tool), self.prior_weight
+        samples = self._samples.get(tool)
+        if samples is None:
+            return m
+        count_a, total_a = samples.above(a)
+        count_b = count_a if b == a else len(samples) - samples.count_at_most(b)
+        numerator = max(0.0, total_a - count_a * a) + k * math.exp(-a / m) * m
+        denominator = count_b + k * math.exp(-b / m)
+        return numerator / denominator if denominator > 0 else math.inf
+
+    def mean_residual_life_ceiling(self, tool: str, lo_s: float) -> float:
+        """A coarser upper bound of ``mean_residual_life(tool, x)`` for every ``x >= lo_s``, in O(1):
+        ``MRL(x)`` is a weighted mean of the samples' mean excess over ``x`` (at most the largest
+        sample minus ``x``) and the prior mean."""
+        samples = self._samples.get(tool)
+        m = self._prior(tool)
+        if samples is None:
+            return m
+        return max(m, samples.maxes[-1] - max(0.0, lo_s))
+
     def quantiles(self, tool: str) -> list[float]:
         """The observed durations of ``tool``, sorted (candidate TTLs for a policy)."""
         samples = self._samples.get(tool)

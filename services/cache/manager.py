@@ -121,7 +121,8 @@ from schemas.events import (
     SessionId,
     ToolCallProposed,
 )
-from services.cache.policy import CacheDecision, CachePolicy, Delays, HostResident, MemoryState
+from services.cache.policy import CacheDecision, CachePolicy, Delays, MemoryState, RankedResidents
+from services.cache.residents import HostResidentIndex
 from services.cache.view import CacheViewBuilder, Phase, SessionView
 
 __all__ = ["NAMESPACE", "CacheManager", "Decided", "Hold", "ManagerConfig", "decision_event_id"]
@@ -248,6 +249,7 @@ class CacheManager:
     config: ManagerConfig
     policy: CachePolicy = field(default_factory=CachePolicy)
     builder: CacheViewBuilder = field(init=False)
+    _residents: HostResidentIndex = field(init=False)  # the swapped sessions, for pressure evictions
     now: float = 0.0
     gpu_used: int = 0
     host_used: int = 0
@@ -266,6 +268,7 @@ class CacheManager:
     def __post_init__(self) -> None:
         # One latency model: what the builder learns from effects is what the policy predicts with.
         self.builder = CacheViewBuilder(latency=self.policy.latency)
+        self._residents = HostResidentIndex(self.policy)
 
     # ------------------------------------------------------------------ reading
 
@@ -335,6 +338,7 @@ class CacheManager:
             if s is None:
                 s = self._sessions[session_id] = _Session()
         self.builder.apply(session_id, body, at)
+        self._index(session_id, s)  # its view changed
         if isinstance(body, KVBlocksStored | KVBlocksRemoved):
             s.kv_seen = True
             if isinstance(body, KVBlocksRemoved) and s.reported_call == s.completed_call:
@@ -386,6 +390,7 @@ class CacheManager:
         """Drop a finished session that holds nothing (module docstring); heap entries that
         still name it are stale (its ``_Session`` is gone) and skipped when popped."""
         del self._sessions[sid]
+        self._residents.discard(sid)
         self.builder.forget(sid)
         self._forgotten[sid] = self.now
         self.num_forgotten += 1
@@ -464,52 +469,48 @@ class CacheManager:
         the policy's one eviction rule (``CachePolicy.evict``): SWAP, displacing host residents
         worth less when the host is full (their DISCARDs first), or RELEASE."""
         delays = self.delays()
-        residents: list[HostResident] | None = None
+        residents: RankedResidents | None = None
 
-        def host_residents() -> list[HostResident]:
-            nonlocal residents  # listed once per eviction run, and only if the host lacks room
+        def host_residents() -> RankedResidents:
+            nonlocal residents  # as of the first time the host lacks room in this run, searched on demand
             if residents is None:
-                residents = self.policy.host_residents(self._host_resident_views(), now, delays)
+                residents = self._host_residents(now, delays)  # the index is frozen until thawed below
             return residents
 
-        while self.gpu_used + reserve > self.config.gpu_total_blocks and self._candidates:
-            _, sid, version = heapq.heappop(self._candidates)
-            s = self._sessions.get(sid)
-            if s is None or s.version != version or s.hold is not Hold.PINNED:
-                continue  # stale: the session's hold changed since it was pushed
-            view = self.view(sid)
-            host_free = max(0, self.config.host_total_blocks - self.host_used)
-            score = self.policy.score(view, now, host_free, delays)
-            for decision in self.policy.evict(view, score, now, host_free, delays, host_residents):
-                target = s if decision.session_id == sid else self._sessions[decision.session_id]
-                self._record(
-                    Decided(decision_event_id(trigger_id, "pressure", decision.session_id), trigger_id, "pressure",
-                            now, decision), target, out,
-                )  # fmt: skip
+        try:
+            while self.gpu_used + reserve > self.config.gpu_total_blocks and self._candidates:
+                _, sid, version = heapq.heappop(self._candidates)
+                s = self._sessions.get(sid)
+                if s is None or s.version != version or s.hold is not Hold.PINNED:
+                    continue  # stale: the session's hold changed since it was pushed
+                view = self.view(sid)
+                host_free = max(0, self.config.host_total_blocks - self.host_used)
+                score = self.policy.score(view, now, host_free, delays)
+                for decision in self.policy.evict(view, score, now, host_free, delays, host_residents):
+                    target = s if decision.session_id == sid else self._sessions[decision.session_id]
+                    self._record(
+                        Decided(decision_event_id(trigger_id, "pressure", decision.session_id), trigger_id,
+                                "pressure", now, decision), target, out,
+                    )  # fmt: skip
+        finally:
+            if residents is not None:
+                self._residents.thaw()
 
-    def _host_resident_views(self) -> list[SessionView]:
-        """Swapped sessions as host residents (no GPU blocks; their host blocks: what the host is
-        charged for them), as ``_relook`` sees them."""
-        views: list[SessionView] = []
-        for sid, s in self._sessions.items():
-            if s.hold is not Hold.SWAPPED or s.host_charged <= 0:
-                continue
-            v = self.view(sid)
-            views.append(
-                SessionView(
-                    sid,
-                    v.phase,
-                    v.since,
-                    v.tool,
-                    v.tool_started_at,
-                    v.context_tokens,
-                    0,
-                    s.host_charged,
-                    v.turns,
-                    v.attained_service_s,
-                )
-            )
-        return views
+    def _host_residents(self, now: float, delays: Delays) -> RankedResidents:
+        """The swapped sessions as host residents in ascending (host score, session id) order,
+        searched only as far as the eviction rule reads (``services.cache.residents``)."""
+        return self._residents.ascending(now, delays)
+
+    def _index(self, sid: SessionId, s: _Session) -> None:
+        """Keep the index of host residents in step: a swapped session, charged host blocks, whose
+        view is neither in a call nor finished, is one (no GPU blocks; its host blocks: what the
+        host is charged for it, as ``_relook`` sees it)."""
+        if s.hold is Hold.SWAPPED and s.host_charged > 0:
+            v = self.builder.view(sid)
+            if v.phase is not Phase.LLM and v.phase is not Phase.FINISHED:
+                self._residents.put(v, s.host_charged)
+                return
+        self._residents.discard(sid)
 
     def _expire(self, until: float, out: list[Decided]) -> None:
         """Decide again for every pinned session whose TTL ends at or before ``until``, and for
@@ -583,6 +584,7 @@ class CacheManager:
         host_charged = max(s.host_reserved if hold is Hold.SWAPPED else 0, host_blocks)
         self.host_used += host_charged - s.host_charged
         s.host_charged = host_charged
+        self._index(sid, s)
 
     def _compact(self) -> None:
         """Drop stale heap entries once they outnumber live ones (amortized O(1) per push)."""

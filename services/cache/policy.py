@@ -121,19 +121,31 @@ whenever ``needed_blocks <= gpu_free_blocks``. It is O(1), for per-event manager
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from schemas.events import CacheAction, CacheDecisionMade, SessionId
 from services.cache.latency import ToolLatencyModel
 from services.cache.view import Phase, SessionView
 from services.engine.cost import CostModel
 
-__all__ = ["CacheDecision", "CachePolicy", "Delays", "HostResident", "MemoryState", "PolicyConfig"]
+__all__ = [
+    "CacheDecision",
+    "CachePolicy",
+    "Delays",
+    "HostResident",
+    "ListedResidents",
+    "MemoryState",
+    "PolicyConfig",
+    "RankedResidents",
+]
 
 _MS_PER_S = 1000.0
 _BYTES_PER_GB = 1e9
+_BOUND_MARGIN = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +229,22 @@ class HostResident:
     evicted: bool = False
 
 
+class RankedResidents(Protocol):
+    """Host residents in ascending (host score, session id) order, as far as one asks."""
+
+    def below(self, host_score: float) -> Iterable[HostResident]:
+        """The residents whose host score is below ``host_score``, in that order (from the first,
+        at every call)."""
+        ...
+
+
+class ListedResidents(list[HostResident]):
+    """``RankedResidents`` listed in full (``CachePolicy.host_residents``)."""
+
+    def below(self, host_score: float) -> Iterable[HostResident]:
+        return itertools.takewhile(lambda r: r.host_score < host_score, self)
+
+
 @dataclass(slots=True)
 class CachePolicy:
     """Scores sessions and decides (see the module docstring for the formulas)."""
@@ -241,6 +269,33 @@ class CachePolicy:
             remaining = self.latency.mean_residual_life(view.tool, now - view.tool_started_at)
         if view.phase is Phase.HUMAN:
             remaining = max(c.human_min_s, remaining)
+        return remaining + delays.queue_s
+
+    def next_reference_bound_s(
+        self,
+        phase: Phase,
+        tool: str,
+        started: bool,
+        waited_lo_s: float,
+        waited_hi_s: float,
+        delays: Delays,
+        *,
+        fine: bool = True,
+    ) -> float:
+        """An upper bound of ``next_reference_s`` over the views in ``phase`` (TOOL or HUMAN) waiting
+        on ``tool`` whose wait lies in ``[waited_lo_s, waited_hi_s]``: since the tool started when
+        ``started``, since its proposal otherwise (verdict pending). The host residents' index
+        prunes with it (``services.cache.residents``); it follows ``next_reference_s`` term by term.
+        ``fine``: the latency model's bound over the interval, else its O(1) coarser one."""
+        if started:
+            latency = self.latency
+            remaining = latency.mean_residual_life_ceiling(tool, waited_lo_s)
+            if fine:
+                remaining = min(remaining, latency.mean_residual_life_bound(tool, waited_lo_s, waited_hi_s))
+        else:
+            remaining = max(0.0, delays.verdict_s - waited_lo_s) + self.latency.mean(tool)
+        if phase is Phase.HUMAN:
+            remaining = max(self.config.human_min_s, remaining)
         return remaining + delays.queue_s
 
     def return_probability(self, view: SessionView) -> float:
@@ -289,6 +344,23 @@ class CachePolicy:
         saved = self.cost.recompute_ms(num_blocks * self.cost.block_size) - self.cost.swap_ms(num_blocks)
         gigabytes = num_blocks * self.cost.block_bytes / _BYTES_PER_GB
         return p * saved / (gigabytes * max(distance, self.config.min_distance_s))
+
+    def host_value(self, view: SessionView, num_blocks: int) -> float:
+        """``host_score`` without its distance: ``p * saved / gigabytes``, which does not change
+        with time (``host_score = host_value / max(D, min_distance_s)``, up to rounding)."""
+        p = self.return_probability(view)
+        if p == 0.0 or num_blocks <= 0:
+            return 0.0
+        saved = self.cost.recompute_ms(num_blocks * self.cost.block_size) - self.cost.swap_ms(num_blocks)
+        return p * saved / (num_blocks * self.cost.block_bytes / _BYTES_PER_GB)
+
+    def host_score_lower_bound(self, value: float, distance_bound_s: float) -> float:
+        """A lower bound of ``host_score`` for views whose ``host_value`` is at least ``value`` and
+        whose distance is at most ``distance_bound_s``, with a margin for rounding (a relative
+        1e-6, far above the 1e-15 by which the two ways of computing a score can differ)."""
+        if value >= 0.0:
+            return value / max(distance_bound_s, self.config.min_distance_s) * (1.0 - _BOUND_MARGIN)
+        return value / self.config.min_distance_s * (1.0 + _BOUND_MARGIN)  # a loss: the nearer, the lower
 
     # -------------------------------------------------------------- decisions
 
@@ -427,14 +499,16 @@ class CachePolicy:
         now: float,
         host_free: int,
         delays: Delays,
-        residents: Sequence[HostResident] | Callable[[], Sequence[HostResident]],
+        residents: RankedResidents | Callable[[], RankedResidents],
     ) -> list[CacheDecision]:
         """Rule 2, the one eviction rule under memory pressure (``decide`` under a deficit and
         ``CacheManager``'s pressure evictions): the view's SWAP when host room is worth its cost
         (``_host_room``), preceded by the DISCARDs of the host residents it displaces, else its
         RELEASE. ``residents``: the host residents in ascending (host score, session id) order
-        (``host_residents``), or a function that lists them, called only when the host lacks
-        room; a resident displaced is marked and not displaced again."""
+        (``host_residents``), or a function that gives them, called only when the host lacks
+        room; they are iterated from the first for each call, and only as far as the rule reads
+        (``CacheManager`` passes a search that scores no more than that:
+        ``services.cache.residents``); a resident displaced is marked and not displaced again."""
         distance = self.next_reference_s(view, now, delays)
         room = self._host_room(view, now, host_free, delays, residents, self.release_loss_ms(view))
         if room is None:
@@ -449,13 +523,13 @@ class CachePolicy:
         )  # fmt: skip
         return [*room, swap]
 
-    def host_residents(self, views: Iterable[SessionView], now: float, delays: Delays) -> list[HostResident]:
+    def host_residents(self, views: Iterable[SessionView], now: float, delays: Delays) -> ListedResidents:
         """The host residents among ``views`` in ascending (host score, session id) order."""
-        return sorted(
+        return ListedResidents(sorted(
             (HostResident(self.host_score(v, v.host_blocks, now, delays), v.session_id, v) for v in views
              if _is_host_resident(v)),
             key=lambda r: (r.host_score, r.session_id),
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def release_loss_ms(self, view: SessionView) -> float:
         """Expected cost of releasing the view's GPU blocks to the LRU under pressure: its whole
@@ -468,7 +542,7 @@ class CachePolicy:
         now: float,
         host_free: int,
         delays: Delays,
-        residents: Sequence[HostResident] | Callable[[], Sequence[HostResident]],
+        residents: RankedResidents | Callable[[], RankedResidents],
         loss_ms: float,
     ) -> list[CacheDecision] | None:
         """None when swapping the view out does not beat losing ``loss_ms``; else the host residents
@@ -482,8 +556,8 @@ class CachePolicy:
         mine = self.host_score(view, blocks, now, delays)
         chosen: list[HostResident] = []
         room = host_free
-        for resident in residents() if callable(residents) else residents:
-            if room >= blocks or resident.host_score >= mine:
+        for resident in (residents() if callable(residents) else residents).below(mine):
+            if room >= blocks:
                 break
             if resident.evicted:
                 continue
