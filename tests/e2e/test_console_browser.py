@@ -4,8 +4,9 @@ Postgres log, and Debian's headless Chromium driven over the DevTools protocol (
 It checks what an operator sees and does: the sessions list shows a session started during the
 test; its timeline shows its LLM calls in the log's order; a payment held for approval is
 approved by clicking the page's button, and the executor then pays exactly once (the ledger and
-the log's ToolCallStarted count); a request without a login cannot approve. It writes the
-screenshots of the main pages to docs/img/console-*.png. It is also the integration test of
+the log's ToolCallStarted count); a request without a login cannot approve. It writes
+screenshots of the main pages (to docs/img/console-*.png with ``AGENTLOG_SCREENSHOTS=docs/img``,
+which is how the docs' pictures are made; else under the test's temporary directory). It is also the integration test of
 ``logctl up --projector``: the projector it starts keeps the read model the console reads.
 
 Skipped where no Chromium is installed, unless ``AGENTLOG_REQUIRE_CHROMIUM=1`` (``.ci/run``
@@ -37,7 +38,9 @@ from tests.e2e.cdp import Browser, chromium_path
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
+# Screenshots go to the test's own directory, or to docs/img when regenerating the docs'
+# pictures (AGENTLOG_SCREENSHOTS=docs/img): a test run never rewrites tracked files by default.
+SCREENSHOTS_ENV = "AGENTLOG_SCREENSHOTS"
 PASSWORD = "console-" + uuid.uuid4().hex
 ECHO = {
     "steps": [
@@ -85,7 +88,7 @@ async def _paid(pg_url: str, session_id: str) -> int:
         await conn.close()
 
 
-async def _browse(base: str, pg_url: str, namespace: str, chromium: str, run: str, pay: str) -> None:
+async def _browse(base: str, pg_url: str, namespace: str, chromium: str, run: str, pay: str, shots: Path) -> None:
     async with Browser(chromium) as page:
         # No login: the console sends the browser to its login form.
         await page.goto(f"{base}/")
@@ -105,7 +108,7 @@ async def _browse(base: str, pg_url: str, namespace: str, chromium: str, run: st
             await page.goto(f"{base}/")
         else:
             raise AssertionError(f"{run} never showed up finished in the sessions list")
-        await page.screenshot(IMG / "console-sessions.png")
+        await page.screenshot(shots / "console-sessions.png")
 
         # Its timeline shows its LLM calls in the log's order.
         await page.js(f'document.querySelector("{row} a").click()')
@@ -119,7 +122,7 @@ async def _browse(base: str, pg_url: str, namespace: str, chromium: str, run: st
         assert [s for _, s in bars] == sorted(s for _, s in bars)
         assert await page.js("document.querySelectorAll('#timeline rect[data-lane=gap]').length") == 2
         assert await page.js("document.querySelectorAll('#events tr').length") > 10
-        await page.screenshot(IMG / "console-session.png")
+        await page.screenshot(shots / "console-session.png")
 
         # The held payment is waiting; a request without a login cannot approve it.
         button = f"button[data-action=APPROVE][data-call='{pay}/tool-1']"
@@ -130,7 +133,7 @@ async def _browse(base: str, pg_url: str, namespace: str, chromium: str, run: st
             await asyncio.sleep(0.4)
         else:
             raise AssertionError("the payment never showed up waiting for approval")
-        await page.screenshot(IMG / "console-waiting.png")
+        await page.screenshot(shots / "console-waiting.png")
         async with aiohttp.ClientSession() as anonymous:
             form = {"session_id": pay, "call_id": "tool-1", "decision": "APPROVE", "csrf": "x"}
             async with anonymous.post(f"{base}/decide", data=form) as r:
@@ -164,7 +167,7 @@ async def _browse(base: str, pg_url: str, namespace: str, chromium: str, run: st
             raise AssertionError("the approved payment is still listed as waiting")
 
         await page.goto(f"{base}/cache")
-        await page.screenshot(IMG / "console-cache.png")
+        await page.screenshot(shots / "console-cache.png")
 
 
 def test_the_console_in_a_browser_approves_a_payment_once(
@@ -205,7 +208,9 @@ def test_the_console_in_a_browser_approves_a_payment_once(
         )  # fmt: skip
         assert ran.exit_code == 0, ran.output
         run, pay = f"{run}-0000", f"{pay}-0000"
-        asyncio.run(_browse(f"http://127.0.0.1:{port}", pg_url, namespace, chromium, run, pay))
+        shots = Path(os.environ.get(SCREENSHOTS_ENV) or tmp_path / "screenshots")
+        shots.mkdir(parents=True, exist_ok=True)
+        asyncio.run(_browse(f"http://127.0.0.1:{port}", pg_url, namespace, chromium, run, pay, shots))
     finally:
         up.send_signal(signal.SIGTERM)
         out, _ = up.communicate(timeout=60)
