@@ -120,7 +120,7 @@ class Resource:
 
 def backoff_ms(num_failures: int) -> float:
     """Wait before the next attempt after ``num_failures`` failed ones: 0.5 s, 1 s, 2 s, ... up to 60 s."""
-    return min(BACKOFF_BASE_MS * 2 ** max(0, num_failures - 1), BACKOFF_CAP_MS)
+    return min(BACKOFF_BASE_MS * 2.0 ** max(0, num_failures - 1), BACKOFF_CAP_MS)
 
 
 def evolve(resources: dict[str, Resource], body: ev.Event, occurred_at: datetime) -> None:
@@ -160,13 +160,14 @@ class Release:
 
 
 def _end_reason(state: SessionState) -> str | None:
-    from services.session import SessionStatus
+    from services.session import SessionStatus  # here: services.session imports this module
 
-    return {
+    ends = {
         SessionStatus.FINISHED: Reason.FINISHED,
         SessionStatus.FAILED: Reason.FAILED,
         SessionStatus.CANCELLED: Reason.CANCELLED,
-    }.get(state.status) if state.status else None  # type: ignore[call-overload]
+    }
+    return ends.get(state.status) if state.status is not None else None
 
 
 def releases(state: SessionState, *, now: datetime, reclaim: bool = False) -> list[Release]:
