@@ -339,3 +339,17 @@ def test_a_container_is_removed_at_the_sessions_end(world: World) -> None:
     name = next(iter(state.resources.values())).location
     listed = subprocess.run(["docker", "ps", "-aq", "--filter", f"name={name}"], capture_output=True, text=True)
     assert listed.stdout.strip() == ""
+
+
+@pytest.mark.skipif(docker_available(), reason="a Docker engine answers: the container test above runs instead")
+def test_a_container_without_an_engine_fails_its_call_and_leaves_nothing(world: World) -> None:
+    async def go() -> SessionState:
+        async with world.roles():
+            await world.request("boxless", script({"tool": "container", "arguments": {}}))
+            return await world.until("boxless", lambda s: s.finished and released(s), "finished")
+
+    state = asyncio.run(go())
+    failure = state.tool_calls["tool-0"].failure
+    assert failure is not None and "no Docker engine answers" in failure.error
+    (r,) = state.resources.values()
+    assert r.kind is ResourceKind.CONTAINER and (r.reason or "").startswith("acquisition failed: RuntimeError")
