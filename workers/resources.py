@@ -42,7 +42,7 @@ from typing import Any
 
 from schemas import events as ev
 from schemas.events import ResourceKind
-from services.resources import Reason, Resource, resource_id
+from services.resources import Reason, Resource, backoff_ms, resource_id
 
 __all__ = ["Lease", "ReleaseError", "ResourceManager", "ToolResources", "marked_pids", "token"]
 
@@ -53,6 +53,10 @@ _TOKENS = uuid.UUID("0b8f3f0e-5c7e-4f55-9d8e-3a4c6b1d2e90")
 
 class ReleaseError(Exception):
     """A resource could not be released (yet); the message says why."""
+
+
+class NotCreated(RuntimeError):
+    """An acquisition that failed before it created anything (there is nothing to release)."""
 
 
 def token(session_id: str, rid: str) -> str:
@@ -258,12 +262,22 @@ class ResourceManager:
         try:
             lease = await asyncio.to_thread(create, location)
         except BaseException as error:
+            reason = f"acquisition failed: {type(error).__name__}: {error}"
             placeholder = Resource(rid, scope.call_id, scope.tool, kind, location, acquiring_at=_epoch())
-            detail = await self.release(scope.session_id, placeholder)
-            body = ev.ResourceReleased(
-                resource_id=rid, reason=f"acquisition failed: {type(error).__name__}: {error}", detail=detail
-            )
-            await self.append(scope.session_id, body, "resource-released", rid)
+            body: ev.Event
+            try:
+                detail = (
+                    "never created"
+                    if isinstance(error, NotCreated)
+                    else await self.release(scope.session_id, placeholder)
+                )
+                body = ev.ResourceReleased(resource_id=rid, reason=reason, detail=detail)
+                await self.append(scope.session_id, body, "resource-released", rid)
+            except ReleaseError as stuck:  # it may half exist: the executor retries like any stuck one
+                body = ev.ResourceReleaseFailed(
+                    resource_id=rid, attempt=1, reason=reason, error=str(stuck), retry_in_ms=backoff_ms(1)
+                )
+                await self.append(scope.session_id, body, "resource-release-failed", f"{rid}/1")
             raise
         self._live[(scope.session_id, rid)] = lease
         lease.resource_id = rid
@@ -359,7 +373,7 @@ class ToolResources:
 
         def create(location: str) -> Lease:
             if not docker_available():
-                raise RuntimeError("no Docker engine answers (docker info failed): cannot start a container")
+                raise NotCreated("no Docker engine answers (docker info failed): cannot start a container")
             run = _docker(
                 "run", "-d", "--name", location, "--label", f"{CONTAINER_LABEL}={location}", image, *command
             )  # fmt: skip

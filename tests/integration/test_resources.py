@@ -352,4 +352,5 @@ def test_a_container_without_an_engine_fails_its_call_and_leaves_nothing(world: 
     failure = state.tool_calls["tool-0"].failure
     assert failure is not None and "no Docker engine answers" in failure.error
     (r,) = state.resources.values()
-    assert r.kind is ResourceKind.CONTAINER and (r.reason or "").startswith("acquisition failed: RuntimeError")
+    assert r.kind is ResourceKind.CONTAINER and (r.reason or "").startswith("acquisition failed: NotCreated")
+    assert r.detail == "never created"
