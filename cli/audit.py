@@ -8,7 +8,11 @@ wrong.
 
 ``audit`` folds the sessions and shows each tool call's proposal, votes,
 verdict, approvals and execution side by side, filtered by session, actor,
-tool, effect class, verdict and time range.
+tool, effect class, verdict and time range. ``audit --resources`` shows what
+tools acquired through the executor instead (services/resources.py): who
+acquired what, when, for which call, and who released it, why; a resource
+that could not be released is listed as ``stuck`` with its error and its
+next retry until it is released (``--stuck`` lists only those).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from log import TOPICS, RecordError, SharedLog, open_log
 from log.chain import ChainVerifier
 from log.topics import AGENT_DLQ
 from log.topics import topic as topic_named
+from services.resources import Resource
 from services.session import ToolCall
 
 
@@ -164,6 +169,10 @@ def audit(
     verdict: Annotated[str | None, typer.Option(help="committed, aborted or pending")] = None,
     since: Annotated[datetime | None, typer.Option(help="Only calls proposed at or after (ISO time, UTC)")] = None,
     until: Annotated[datetime | None, typer.Option(help="Only calls proposed before (ISO time, UTC)")] = None,
+    resources: Annotated[
+        bool, typer.Option("--resources", help="The resources tools acquired and who released them, instead")
+    ] = False,
+    stuck: Annotated[bool, typer.Option("--stuck", help="With --resources: only those not released yet")] = False,
     as_json: Json = False,
 ) -> None:
     """Who did what: each tool call's proposal, votes, verdict, approvals and execution."""
@@ -172,7 +181,12 @@ def audit(
         async with open_log(log_url, actor="auditor") as log:
             return await read_sessions(log, group=f"logctl-audit-{uuid.uuid4().hex[:8]}")
 
+    if stuck and not resources:
+        raise typer.BadParameter("--stuck goes with --resources")
     book = asyncio.run(read())
+    if resources:
+        _audit_resources(book, session=session, tool=tool, only_live=stuck, as_json=as_json)
+        return
     rows = []
     for record in book.records.values():
         state = record.state
@@ -209,6 +223,63 @@ def audit(
             f"{votes[:34]:<34} {(row['verdict'] or 'pending'):<10} {row['status']:<10} {who}"
         )
     typer.echo(f"{len(rows)} tool calls")
+
+
+def resource_row(session_id: str, r: Resource) -> dict[str, Any]:
+    """One resource: acquired by which call, where, and its release (or why it is not released)."""
+
+    def at(moment: datetime | None) -> str | None:
+        return moment.isoformat() if moment else None
+
+    return {
+        "session_id": session_id,
+        "resource_id": r.resource_id,
+        "call_id": r.call_id,
+        "tool": r.tool,
+        "kind": r.kind.value.lower(),
+        "location": r.location,
+        "handle": r.handle,
+        "status": r.status.value,
+        "acquiring_at": at(r.acquiring_at),
+        "acquired_at": at(r.acquired_at),
+        "released_at": at(r.released_at),
+        "reason": r.reason,
+        "detail": r.detail,
+        "failed_attempts": r.num_failures,
+        "error": r.error,
+        "retry_at": at(r.retry_at),
+    }
+
+
+def _audit_resources(
+    book: SessionBook, *, session: str | None, tool: str | None, only_live: bool, as_json: bool
+) -> None:
+    rows = [
+        resource_row(record.state.session_id, r)
+        for record in book.records.values()
+        if not session or record.state.session_id == session
+        for r in record.state.resources.values()
+        if (not tool or r.tool == tool) and (not only_live or r.live)
+    ]
+    rows.sort(key=lambda r: (r["acquiring_at"] or "", r["session_id"], r["resource_id"]))
+    if as_json:
+        typer.echo(to_json(rows))
+        return
+    typer.echo(f"{'session':<24} {'resource':<14} {'tool':<12} {'kind':<9} {'status':<9} {'handle':<8} why")
+    for row in rows:
+        why = row["reason"] or ""
+        if row["status"] == "stuck":
+            why = f"{row['failed_attempts']} failed release(s), next at {row['retry_at']}: {row['error']} ({why})"
+        elif row["status"] == "released":
+            why = f"{why}: {row['detail']}"
+        handle = (row["handle"] or "")[-8:]
+        typer.echo(
+            f"{row['session_id'][:24]:<24} {row['resource_id'][:14]:<14} {row['tool'][:12]:<12} {row['kind']:<9} "
+            f"{row['status']:<9} {handle:<8} {why}"
+        )
+    num_live = sum(1 for r in rows if r["status"] != "released")
+    num_stuck = sum(1 for r in rows if r["status"] == "stuck")
+    typer.echo(f"{len(rows)} resources, {num_live} not released ({num_stuck} stuck)")
 
 
 def _aware(moment: datetime) -> datetime:

@@ -55,7 +55,16 @@ AGENT_VERDICTS = Topic("agent.verdicts", "decider", (ev.ToolCallCommitted, ev.To
 AGENT_EFFECTS = Topic(
     "agent.effects",
     "executor",
-    (ev.ToolCallStarted, ev.ToolCallCompleted, ev.ToolCallFailed, ev.ToolCallInDoubt),
+    (
+        ev.ToolCallStarted,
+        ev.ToolCallCompleted,
+        ev.ToolCallFailed,
+        ev.ToolCallInDoubt,
+        ev.ResourceAcquiring,
+        ev.ResourceAcquired,
+        ev.ResourceReleased,
+        ev.ResourceReleaseFailed,
+    ),
 )
 KV_EVENTS = Topic(
     "kv.events",

@@ -67,6 +67,16 @@ class CacheAction(StrEnum):
     RELEASE = "RELEASE"
 
 
+class ResourceKind(StrEnum):
+    """What a tool acquired through the executor (owned by its session, released at its end)."""
+
+    DIRECTORY = "DIRECTORY"
+    FILE = "FILE"
+    PROCESS = "PROCESS"
+    PORT = "PORT"
+    CONTAINER = "CONTAINER"
+
+
 class ApprovalDecision(StrEnum):
     """An operator's answer to a held or in-doubt tool call."""
 
@@ -472,6 +482,48 @@ class GatewayToolResultReported(Model):
     )
 
 
+# ------------------------------------------------- agent.effects: resources
+
+
+class ResourceAcquiring(Model):
+    """The executor is about to create a resource for a tool call; logged before it exists, so that a
+    crash between creating and logging it cannot leak it (recovery finds it by its location)."""
+
+    resource_id: str = Field(description="Id of the resource within its session: <call_id>/<attempt>/<n>.")
+    call_id: str = Field(description="The tool call that acquires it.")
+    tool: str = Field(description="Name of the tool.")
+    kind: ResourceKind = Field(description="Directory, file, process, port or container.")
+    location: str = Field(
+        description="Where it will be, derived from the resource id: a path, a container name, or the marker "
+        "AGENTLOG_RESOURCE=<token> in a process's environment; empty for a port (the kernel picks it)."
+    )
+
+
+class ResourceAcquired(Model):
+    """The resource exists and its session owns it until it is released."""
+
+    resource_id: str = Field(description="Id of the resource within its session.")
+    handle: str = Field(description="How to reach it: the path, the process id, the port number, the container id.")
+
+
+class ResourceReleased(Model):
+    """The resource is gone (released, or found gone); a release of a released resource appends nothing."""
+
+    resource_id: str = Field(description="Id of the resource within its session.")
+    reason: str = Field(description="Why it was released: the session ended, a restore abandoned its call, ...")
+    detail: str = Field(description="What releasing it took, in words (e.g. killed with SIGKILL after SIGTERM).")
+
+
+class ResourceReleaseFailed(Model):
+    """A release attempt failed; the executor tries again after a backoff and never forgets the resource."""
+
+    resource_id: str = Field(description="Id of the resource within its session.")
+    attempt: int = Field(description="1 for the first failed attempt, 2 for the next, and so on.")
+    reason: str = Field(description="Why it was being released.")
+    error: str = Field(description="Why the release failed, in words.")
+    retry_in_ms: float = Field(description="Milliseconds until the next attempt.")
+
+
 EVENT_TYPES: tuple[type[Model], ...] = (
     SessionStarted,
     SessionFinished,
@@ -507,11 +559,22 @@ EVENT_TYPES: tuple[type[Model], ...] = (
     SessionRequested,
     GatewayLLMCallServed,
     GatewayToolResultReported,
+    ResourceAcquiring,
+    ResourceAcquired,
+    ResourceReleased,
+    ResourceReleaseFailed,
 )
 """Every body type, in the order of the envelope's ``body`` union (new types go at the end)."""
 
 NESTED_TYPES: tuple[type[Model], ...] = (Vote, EffectRef)
-ENUM_TYPES: tuple[type[StrEnum], ...] = (EffectClass, VoteDecision, KVTier, CacheAction, ApprovalDecision)
+ENUM_TYPES: tuple[type[StrEnum], ...] = (
+    EffectClass,
+    VoteDecision,
+    KVTier,
+    CacheAction,
+    ApprovalDecision,
+    ResourceKind,
+)
 
 Event = (
     SessionStarted
@@ -548,5 +611,9 @@ Event = (
     | SessionRequested
     | GatewayLLMCallServed
     | GatewayToolResultReported
+    | ResourceAcquiring
+    | ResourceAcquired
+    | ResourceReleased
+    | ResourceReleaseFailed
 )
 """Any event body."""

@@ -57,7 +57,8 @@ from typing import Any
 from log.topics import SESSION_TOPICS
 from schemas import events as ev
 from schemas.envelope import Envelope
-from schemas.events import EffectClass
+from schemas.events import EffectClass, ResourceKind
+from services.resources import Resource, ResourceStatus
 from services.session import (
     Checkpoint,
     Command,
@@ -260,7 +261,28 @@ def state_to_json(state: SessionState) -> dict[str, Any]:
         "commands": [{"event_id": c.event_id, "body": _body(c.body)} for c in state.commands],
         "answered": sorted(state.answered),
         "fork_requests": [[eid, _body(body)] for eid, body in state.fork_requests],
+        # Only when there are some: the digests of states without resources stay what they were.
+        **({"resources": [_resource_json(r) for r in state.resources.values()]} if state.resources else {}),
     }
+
+
+_RESOURCE_TIMES = ("acquiring_at", "acquired_at", "released_at", "retry_at")
+
+
+def _resource_json(r: Resource) -> dict[str, Any]:
+    out: dict[str, Any] = dict(r.__dict__)
+    out["kind"], out["status"] = r.kind.value, r.status.value
+    for name in _RESOURCE_TIMES:
+        out[name] = out[name].isoformat() if out[name] is not None else None
+    return out
+
+
+def _resource_from(data: dict[str, Any]) -> Resource:
+    values = dict(data)
+    values["kind"], values["status"] = ResourceKind(data["kind"]), ResourceStatus(data["status"])
+    for name in _RESOURCE_TIMES:
+        values[name] = datetime.fromisoformat(data[name]) if data[name] is not None else None
+    return Resource(**values)
 
 
 def state_from_json(data: dict[str, Any]) -> SessionState:
@@ -296,6 +318,7 @@ def state_from_json(data: dict[str, Any]) -> SessionState:
     state.commands = [Command(c["event_id"], _model(c["body"])) for c in data["commands"]]
     state.answered = set(data["answered"])
     state.fork_requests = [(eid, _model(body)) for eid, body in data["fork_requests"]]
+    state.resources = {r["resource_id"]: _resource_from(r) for r in data.get("resources", [])}
     return state
 
 

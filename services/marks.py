@@ -31,11 +31,14 @@ def needs_work(state: SessionState, acts_on: Collection[ToolStatus] = IN_FLIGHT)
     pending, or a fork request (carried out again on recovery; the newest snapshot bounds
     what it costs), or an own tool call in a state the role acts on even after the end
     (``acts_on``: the decider's proposals, the executor's committed, started or in-doubt calls;
-    a role that never reads effects sees committed calls as unsettled forever)."""
+    a role that never reads effects sees committed calls as unsettled forever), or a resource
+    not released yet (services/resources.py)."""
     if state.status is None:
         return False  # never requested: nothing to do (the planner dead-letters its events)
     if not state.finished or state.pending_commands or state.fork_requests:
         return True
+    if any(r.live for r in state.resources.values()):
+        return True  # the executor still has to release them (a stuck one: for as long as it takes)
     return any(t.origin is None and t.status in acts_on for t in state.tool_calls.values())
 
 

@@ -47,6 +47,7 @@ from typing import Any
 from schemas import events as ev
 from schemas.envelope import Envelope
 from schemas.events import CallId, CheckpointId
+from services import resources as res
 
 
 class SessionStatus(StrEnum):
@@ -247,6 +248,9 @@ class SessionState:
     """A gateway session's LLM calls as the gateway recorded them (agent.gateway), by call id."""
     gateway_results: dict[str, ev.GatewayToolResultReported] = field(default_factory=dict)
     """The tool results its client reported (agent.gateway), by tool call id."""
+    resources: dict[str, res.Resource] = field(default_factory=dict)
+    """What its tools acquired through the executor, by resource id, in acquisition order
+    (services/resources.py): released when the session ends, never forgotten until then."""
 
     def __post_init__(self) -> None:
         self.context_id = self.context_id or self.session_id
@@ -328,6 +332,9 @@ class SessionState:
                     self.commands.append(Command(envelope.event_id, command))
             case ev.ForkRequested() as request:
                 self.fork_requests.append((envelope.event_id, request))
+        if isinstance(envelope.body, _RESOURCE_EVENTS):
+            res.evolve(self.resources, envelope.body, envelope.occurred_at)
+            return True
         _evolve(self, envelope.body)
         if isinstance(envelope.body, ev.ToolCallProposed):
             self.tool_calls[envelope.body.call_id].proposed_at = envelope.occurred_at
@@ -343,6 +350,8 @@ def fold(session_id: str, envelopes: list[Envelope]) -> SessionState:
         state.apply(envelope)
     return state
 
+
+_RESOURCE_EVENTS = (ev.ResourceAcquiring, ev.ResourceAcquired, ev.ResourceReleased, ev.ResourceReleaseFailed)
 
 _ANSWERS = (ev.CheckpointTaken, ev.RestoreApplied, ev.RestoreRefused, ev.MergeApplied, ev.MergeConflict)
 

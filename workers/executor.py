@@ -12,14 +12,25 @@ in-doubt calls); appends to agent.effects:
   run twice): an operator resolves it with ``logctl approve --retry`` or
   ``--mark-done``.
 
+Resources (services/resources.py, workers/resources.py): a tool acquires
+directories, files, processes, ports and containers through ``ctx.resources``;
+the executor logs each acquisition (intent first, then the handle) and each
+release on agent.effects, releases a session's resources when it ends (finished,
+failed, cancelled) and those of the calls a restore abandoned, reclaims on
+recovery what a dead run left behind (the attempts that never finished, every
+port), and retries a release that failed after a backoff (``ResourceReleaseFailed``),
+for as long as it takes.
+
 Crash points (workers/crash.py): ``executor.before_started``,
 ``executor.after_started`` (before the tool runs), ``executor.after_tool``
-(the tool ran, its outcome is not logged yet), ``executor.after_completed``;
+(the tool ran, its outcome is not logged yet), ``executor.after_completed``,
+``executor.after_resource_logged`` (a resource's intent is logged, it does not
+exist yet), ``executor.after_resource_acquired`` (it exists and is logged);
 each also as ``<point>.<tool>`` (e.g. ``executor.after_tool.payment``).
 
-Run: ``python -m workers.executor [--log-url URL] [--ledger-url URL] [--sandbox DIR] [--time-scale F]
-[--snapshot-url postgresql://...]`` (snapshots and partition marks: a restart reads its partitions
-from their marks, workers/recovery.py).
+Run: ``python -m workers.executor [--log-url URL] [--ledger-url URL] [--sandbox DIR] [--resource-dir DIR]
+[--kill-grace-s S] [--time-scale F] [--snapshot-url postgresql://...]`` (snapshots and partition marks:
+a restart reads its partitions from their marks, workers/recovery.py).
 """
 
 from __future__ import annotations
@@ -38,10 +49,12 @@ from schemas import events as ev
 from schemas.events import ApprovalDecision
 from services.gateway import adopt_results
 from services.registry import Registry
+from services.resources import Release, backoff_ms, releases
 from services.session import GATEWAY_PROGRAM, SessionState, ToolCall, ToolStatus
 from workers.config import add_snapshot_arguments, open_snapshot_store
 from workers.crash import crash_point
 from workers.plugins import builtin_registry
+from workers.resources import ReleaseError, ResourceManager
 from workers.runtime import SessionWorker
 from workers.tools import Ledger, ToolContext, run_tool
 
@@ -63,6 +76,8 @@ class ExecutorWorker(SessionWorker):
         sandbox: Path | None = None,
         time_scale: float = 1.0,
         registry: Registry | None = None,
+        resource_dir: Path | None = None,
+        kill_grace_s: float = 2.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(log, **kwargs)
@@ -72,11 +87,24 @@ class ExecutorWorker(SessionWorker):
         self.time_scale = time_scale
         self._running: set[tuple[str, str]] = set()
         self.num_executed = 0
+        self.resources = ResourceManager(
+            resource_dir or self.sandbox.parent / "resources",
+            self._append_resource_event,
+            grace_s=kill_grace_s,
+            crash=self._crash,
+            release_by_id=self._release_by_id,
+        )
+        self._releasing: set[tuple[str, str]] = set()
+        self._next_sweep = 0.0
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--ledger-url", default=os.environ.get("AGENTLOG_LEDGER_URL"), help="Postgres for payments")
         parser.add_argument("--sandbox", type=Path, default=None, help="directory file_write may write in")
+        parser.add_argument("--resource-dir", type=Path, default=None, help="where tools' directories and files go")
+        parser.add_argument(
+            "--kill-grace-s", type=float, default=2.0, help="seconds a tool's process gets between SIGTERM and SIGKILL"
+        )
         parser.add_argument("--time-scale", type=float, default=float(os.environ.get("AGENTLOG_TIME_SCALE", "1")))
         add_snapshot_arguments(parser)
 
@@ -93,6 +121,8 @@ class ExecutorWorker(SessionWorker):
             time_scale=args.time_scale,
             snapshots=await open_snapshot_store(log, args),
             registry=args.registry,
+            resource_dir=args.resource_dir,
+            kill_grace_s=args.kill_grace_s,
         )
 
     async def close(self) -> None:
@@ -112,6 +142,8 @@ class ExecutorWorker(SessionWorker):
         if state.program == GATEWAY_PROGRAM:
             await self._record_reported(state)
             return
+        # No tool of this session runs here yet: what a dead run left behind is reclaimed first.
+        self._release_due(state, reclaim=True)
         for tool in list(state.tool_calls.values()):
             if tool.status is ToolStatus.COMMITTED:
                 self._start(state, tool, attempt=1)
@@ -128,6 +160,8 @@ class ExecutorWorker(SessionWorker):
         # A verdict may be read before its proposal (topics are ordered only within
         # themselves), so act on whichever of the two completes the picture.
         body = event.body
+        if isinstance(body, ev.SessionFinished | ev.SessionFailed | ev.RestoreApplied):
+            self._release_due(state)
         if state.program == GATEWAY_PROGRAM:
             if isinstance(body, ev.GatewayToolResultReported | ev.ToolCallCommitted | ev.ToolCallProposed):
                 await self._record_reported(state)
@@ -210,7 +244,15 @@ class ExecutorWorker(SessionWorker):
         )
         self._crash("executor.after_started", proposed.tool)
         implementation = self.registry.tools.get(proposed.tool)
-        context = ToolContext(session_id, call_id, proposed.idempotency_key, self.sandbox, self.ledger, self.time_scale)
+        context = ToolContext(
+            session_id,
+            call_id,
+            proposed.idempotency_key,
+            self.sandbox,
+            self.ledger,
+            self.time_scale,
+            self.resources.scope(session_id, call_id, proposed.tool, attempt),
+        )
         began = time.monotonic()
         outcome: ev.ToolCallCompleted | ev.ToolCallFailed
         try:
@@ -237,6 +279,54 @@ class ExecutorWorker(SessionWorker):
             kind = "failed"
         await self.append(session_id, outcome, kind=kind, key=call_id)
         self._crash("executor.after_completed", proposed.tool)
+        self._release_due(state)  # the session may have ended (cancelled) while the tool ran
+
+    # --------------------------------------------------------------- resources
+
+    async def handle(self, events: list[LoggedEvent]) -> None:
+        await super().handle(events)
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            # Level-triggered: stuck releases whose backoff has passed, and anything an edge missed.
+            self._next_sweep = now + 0.25
+            for state in list(self.sessions.values()):
+                if state.resources and self.log.partition_for(state.session_id) in self._ready:
+                    self._release_due(state)
+
+    async def _append_resource_event(self, session_id: str, body: ev.Event, kind: str, key: str) -> None:
+        await self.append(session_id, body, kind=kind, key=key)
+
+    def _release_due(self, state: SessionState, *, reclaim: bool = False) -> None:
+        for order in releases(state, now=self.log.clock(), reclaim=reclaim):
+            key = (state.session_id, order.resource.resource_id)
+            if key in self._releasing:
+                continue
+            self._releasing.add(key)
+            task = self.spawn(self._release(state, order))
+            task.add_done_callback(lambda _, k=key: self._releasing.discard(k))  # type: ignore[misc]
+
+    async def _release_by_id(self, session_id: str, resource_id: str, reason: str) -> None:
+        resource = self.state(session_id).resources.get(resource_id)
+        if resource is None or not resource.live:
+            return
+        await self._release(self.state(session_id), Release(resource, reason))
+
+    async def _release(self, state: SessionState, order: Release) -> None:
+        """One attempt: ``ResourceReleased``, or ``ResourceReleaseFailed`` with the next attempt's delay."""
+        resource = order.resource
+        rid = resource.resource_id
+        try:
+            detail = await self.resources.release(state.session_id, resource)
+        except ReleaseError as error:
+            attempt = resource.num_failures + 1
+            failed = ev.ResourceReleaseFailed(
+                resource_id=rid, attempt=attempt, reason=order.reason, error=str(error), retry_in_ms=backoff_ms(attempt)
+            )
+            await self.append(state.session_id, failed, kind="resource-release-failed", key=f"{rid}/{attempt}")
+            _log.warning("%s: cannot release %s (%s): %s", state.session_id, rid, resource.kind.value, error)
+            return
+        released = ev.ResourceReleased(resource_id=rid, reason=order.reason, detail=detail)
+        await self.append(state.session_id, released, kind="resource-released", key=rid)
 
 
 def tempfile_dir() -> str:

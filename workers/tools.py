@@ -21,12 +21,15 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
 from services.registry import Tool, ToolOutput
 from services.tools import TOOLS
+
+if TYPE_CHECKING:
+    from workers.resources import ToolResources
 
 LEDGER_DDL = """
 CREATE SCHEMA IF NOT EXISTS agentlog_ledger;
@@ -74,6 +77,8 @@ class ToolContext:
     ledger: Ledger | None
     time_scale: float = 1.0
     """Multiplies every wait (sleep, trace_tool): 0.01 runs a 60 s tool in 0.6 s."""
+    resources: ToolResources | None = None
+    """What the tool may acquire, owned by its session (workers/resources.py); None outside an executor."""
 
 
 ToolFn = Callable[[dict[str, Any], ToolContext], Awaitable[tuple[Any, int]]]
