@@ -52,7 +52,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 from aiohttp import web
@@ -144,6 +144,9 @@ class GatewayWorker(Worker):
     # agent.actions: only to know the sessions the planner runs, which the gateway must not claim.
     topics = (AGENT_GATEWAY.name, AGENT_VERDICTS.name, AGENT_ACTIONS.name)
     event_ids = GATEWAY_EVENT_IDS
+    # A client waits for each append (one record per request): lingering to fill a batch only
+    # adds to its latency. Concurrent requests still share batches, formed while one is in flight.
+    linger_ms: ClassVar[int | None] = 0
 
     def __init__(
         self,
