@@ -166,17 +166,8 @@ def table(rounds: list[Round]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.split("\n")[0])
-    parser.add_argument("--bootstrap", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
-    parser.add_argument("--requests", type=int, default=400, help="per path and mode")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=40)
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)
-    if not args.bootstrap:
-        parser.error("needs a Kafka broker: --bootstrap HOST:PORT or KAFKA_BOOTSTRAP_SERVERS")
-    log_url = f"kafka://{args.bootstrap}"
+def run_on(log_url: str, args: argparse.Namespace) -> tuple[list[Round], float, float]:
+    """The rounds of one log (a stack of its own, in a fresh namespace) and its append floor."""
     namespace = f"bench{uuid.uuid4().hex[:8]}"
     key = uuid.uuid4().hex
     limit = str(10 * args.requests)
@@ -198,24 +189,50 @@ def main(argv: list[str] | None = None) -> None:
             floor_namespace = f"bench{uuid.uuid4().hex[:8]}"
             ensure_topics(log_url, namespace=floor_namespace)
             append_p50, append_p99 = asyncio.run(append_latency(log_url, floor_namespace, args.requests))
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"gateway vs direct sim engine: {args.requests} requests per path and mode, "
-          f"throughput with {args.concurrency} concurrent clients, Kafka {args.bootstrap}; "
-          f"one durable append: p50 {append_p50:.2f} ms, p99 {append_p99:.2f} ms; "
-          f"load average {load} on {os.cpu_count()} CPUs")  # fmt: skip
-    print(table(rounds))
-    if args.json is not None:
-        data = [
+    return rounds, append_p50, append_p99
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.split("\n")[0])
+    parser.add_argument("--bootstrap", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
+    parser.add_argument(
+        "--pg-url",
+        default=os.environ.get("AGENTLOG_PG_URL"),
+        help="also run on this Postgres log (default AGENTLOG_PG_URL; none: Kafka only)",
+    )
+    parser.add_argument("--requests", type=int, default=400, help="per path and mode")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=40)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not args.bootstrap:
+        parser.error("needs a Kafka broker: --bootstrap HOST:PORT or KAFKA_BOOTSTRAP_SERVERS")
+    logs = {"kafka": f"kafka://{args.bootstrap}"}
+    if args.pg_url:
+        logs["postgres"] = args.pg_url
+    data = []
+    for name, log_url in logs.items():
+        rounds, append_p50, append_p99 = run_on(log_url, args)
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(f"\n{name}: gateway vs direct sim engine, {args.requests} requests per path and mode, "
+              f"throughput with {args.concurrency} concurrent clients; "
+              f"one durable append: p50 {append_p50:.2f} ms, p99 {append_p99:.2f} ms; "
+              f"load average {load} on {os.cpu_count()} CPUs")  # fmt: skip
+        print(table(rounds))
+        data += [
             {
+                "log": name,
                 "path": r.path,
                 "stream": r.stream,
                 "requests_per_s": r.throughput_rps,
                 "p50_ms": r.percentile(50),
                 "p99_ms": r.percentile(99),
                 "mean_ms": statistics.fmean(r.latencies_ms),
+                "append_p50_ms": append_p50,
             }
             for r in rounds
         ]
+    if args.json is not None:
         args.json.write_text(json.dumps(data, indent=2) + "\n")
 
 
