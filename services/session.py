@@ -247,6 +247,8 @@ class SessionState:
     """A gateway session's LLM calls as the gateway recorded them (agent.gateway), by call id."""
     gateway_results: dict[str, ev.GatewayToolResultReported] = field(default_factory=dict)
     """The tool results its client reported (agent.gateway), by tool call id."""
+    gateway_ended: ev.GatewaySessionEnded | None = None
+    """Why the gateway ended the session (idle or finished by its client); the planner finishes it."""
 
     def __post_init__(self) -> None:
         self.context_id = self.context_id or self.session_id
@@ -391,6 +393,8 @@ def _evolve(state: SessionState, body: ev.Event) -> None:
             state.gateway_calls.setdefault(body.call_id, body)
         case ev.GatewayToolResultReported():
             state.gateway_results.setdefault(body.call_id, body)
+        case ev.GatewaySessionEnded():
+            state.gateway_ended = state.gateway_ended or body
         case ev.LLMCallStarted():
             state.llm_calls.setdefault(body.call_id, LLMCall(body.call_id, body))
         case ev.LLMCallCompleted():
