@@ -2,10 +2,12 @@
 
 Run::
 
-    python -m bench.gateway [--bootstrap HOST:PORT] [--requests 400] [--concurrency 16] [--json FILE]
+    python -m bench.gateway [--bootstrap HOST:PORT] [--pg-url URL] [--requests 400] [--concurrency 16]
+                            [--json FILE]
 
 It starts a stack on Kafka (``--bootstrap``, default ``KAFKA_BOOTSTRAP_SERVERS``; a fresh
-namespace per run): the sim engine with ``--time-scale 0`` (it answers as soon as it has
+namespace per run), then another on Postgres (``--pg-url``, default ``AGENTLOG_PG_URL``; skipped
+without one): the sim engine with ``--time-scale 0`` (it answers as soon as it has
 computed the reply, so what is left is HTTP, JSON and the gateway), the planner, decider and
 executor (the planner adopts every record, as in a deployment) and ``workers.gateway``. Then,
 for plain and streamed chat completions, side by side in one run:
@@ -16,10 +18,11 @@ for plain and streamed chat completions, side by side in one run:
 - **throughput**: the same number of requests from ``--concurrency`` clients at once.
 
 Direct and gateway rounds alternate in blocks of 20 so that drift on a shared machine hits both.
-Added latency is gateway minus direct, per percentile. The gateway's share is one durable Kafka
-append (``GatewayLLMCallServed``, ``acks=all``) per request, plus parsing and re-encoding: the
-header line gives that append's own p50/p99 (``SharedLog.append_many`` of one record, measured
-in the same run, in a namespace of its own) and the machine's load average, to read the rest by.
+Added latency is gateway minus direct, per percentile. The gateway's share is one durable
+append (``GatewayLLMCallServed``; ``acks=all`` on Kafka, a commit on Postgres) per request,
+plus parsing and re-encoding: the header line gives that append's own p50/p99
+(``SharedLog.append_many`` of one record, measured in the same run, in a namespace of its own)
+and the machine's load average, to read the rest by.
 """
 
 from __future__ import annotations
