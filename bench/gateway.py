@@ -2,10 +2,12 @@
 
 Run::
 
-    python -m bench.gateway [--bootstrap HOST:PORT] [--requests 400] [--concurrency 16] [--json FILE]
+    python -m bench.gateway [--bootstrap HOST:PORT] [--pg-url URL] [--requests 400] [--concurrency 16]
+                            [--json FILE]
 
 It starts a stack on Kafka (``--bootstrap``, default ``KAFKA_BOOTSTRAP_SERVERS``; a fresh
-namespace per run): the sim engine with ``--time-scale 0`` (it answers as soon as it has
+namespace per run), then another on Postgres (``--pg-url``, default ``AGENTLOG_PG_URL``; skipped
+without one): the sim engine with ``--time-scale 0`` (it answers as soon as it has
 computed the reply, so what is left is HTTP, JSON and the gateway), the planner, decider and
 executor (the planner adopts every record, as in a deployment) and ``workers.gateway``. Then,
 for plain and streamed chat completions, side by side in one run:
@@ -16,10 +18,11 @@ for plain and streamed chat completions, side by side in one run:
 - **throughput**: the same number of requests from ``--concurrency`` clients at once.
 
 Direct and gateway rounds alternate in blocks of 20 so that drift on a shared machine hits both.
-Added latency is gateway minus direct, per percentile. The gateway's share is one durable Kafka
-append (``GatewayLLMCallServed``, ``acks=all``) per request, plus parsing and re-encoding: the
-header line gives that append's own p50/p99 (``SharedLog.append_many`` of one record, measured
-in the same run, in a namespace of its own) and the machine's load average, to read the rest by.
+Added latency is gateway minus direct, per percentile. The gateway's share is one durable
+append (``GatewayLLMCallServed``; ``acks=all`` on Kafka, a commit on Postgres) per request,
+plus parsing and re-encoding: the header line gives that append's own p50/p99
+(``SharedLog.append_many`` of one record, measured in the same run, in a namespace of its own)
+and the machine's load average, to read the rest by.
 """
 
 from __future__ import annotations
@@ -166,17 +169,8 @@ def table(rounds: list[Round]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.split("\n")[0])
-    parser.add_argument("--bootstrap", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
-    parser.add_argument("--requests", type=int, default=400, help="per path and mode")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=40)
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)
-    if not args.bootstrap:
-        parser.error("needs a Kafka broker: --bootstrap HOST:PORT or KAFKA_BOOTSTRAP_SERVERS")
-    log_url = f"kafka://{args.bootstrap}"
+def run_on(log_url: str, args: argparse.Namespace) -> tuple[list[Round], float, float]:
+    """The rounds of one log (a stack of its own, in a fresh namespace) and its append floor."""
     namespace = f"bench{uuid.uuid4().hex[:8]}"
     key = uuid.uuid4().hex
     limit = str(10 * args.requests)
@@ -198,24 +192,50 @@ def main(argv: list[str] | None = None) -> None:
             floor_namespace = f"bench{uuid.uuid4().hex[:8]}"
             ensure_topics(log_url, namespace=floor_namespace)
             append_p50, append_p99 = asyncio.run(append_latency(log_url, floor_namespace, args.requests))
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"gateway vs direct sim engine: {args.requests} requests per path and mode, "
-          f"throughput with {args.concurrency} concurrent clients, Kafka {args.bootstrap}; "
-          f"one durable append: p50 {append_p50:.2f} ms, p99 {append_p99:.2f} ms; "
-          f"load average {load} on {os.cpu_count()} CPUs")  # fmt: skip
-    print(table(rounds))
-    if args.json is not None:
-        data = [
+    return rounds, append_p50, append_p99
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__.split("\n")[0])
+    parser.add_argument("--bootstrap", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
+    parser.add_argument(
+        "--pg-url",
+        default=os.environ.get("AGENTLOG_PG_URL"),
+        help="also run on this Postgres log (default AGENTLOG_PG_URL; none: Kafka only)",
+    )
+    parser.add_argument("--requests", type=int, default=400, help="per path and mode")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=40)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not args.bootstrap:
+        parser.error("needs a Kafka broker: --bootstrap HOST:PORT or KAFKA_BOOTSTRAP_SERVERS")
+    logs = {"kafka": f"kafka://{args.bootstrap}"}
+    if args.pg_url:
+        logs["postgres"] = args.pg_url
+    data = []
+    for name, log_url in logs.items():
+        rounds, append_p50, append_p99 = run_on(log_url, args)
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(f"\n{name}: gateway vs direct sim engine, {args.requests} requests per path and mode, "
+              f"throughput with {args.concurrency} concurrent clients; "
+              f"one durable append: p50 {append_p50:.2f} ms, p99 {append_p99:.2f} ms; "
+              f"load average {load} on {os.cpu_count()} CPUs")  # fmt: skip
+        print(table(rounds))
+        data += [
             {
+                "log": name,
                 "path": r.path,
                 "stream": r.stream,
                 "requests_per_s": r.throughput_rps,
                 "p50_ms": r.percentile(50),
                 "p99_ms": r.percentile(99),
                 "mean_ms": statistics.fmean(r.latencies_ms),
+                "append_p50_ms": append_p50,
             }
             for r in rounds
         ]
+    if args.json is not None:
         args.json.write_text(json.dumps(data, indent=2) + "\n")
 
 

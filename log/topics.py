@@ -85,7 +85,9 @@ OPS_COMMANDS = Topic(
         ev.MergeRequested,
     ),
 )
-AGENT_GATEWAY = Topic("agent.gateway", "gateway", (ev.GatewayLLMCallServed, ev.GatewayToolResultReported))
+AGENT_GATEWAY = Topic(
+    "agent.gateway", "gateway", (ev.GatewayLLMCallServed, ev.GatewayToolResultReported, ev.GatewaySessionEnded)
+)
 """What external agents did through the OpenAI-compatible gateway (workers/gateway): the gateway's
 claims, which the planner (agent.actions) and the executor (agent.effects) adopt into the session's
 story; docs/architecture.md says why the gateway writes nothing else."""

@@ -29,13 +29,22 @@ ENV_KAFKA_CLIENT = "AGENTLOG_KAFKA_CLIENT"
 KAFKA_CLIENTS = ("python", "rdkafka")
 
 
-def kafka_backend(bootstrap: str, *, namespace: str = "", client_config: dict[str, Any] | None = None) -> Backend:
-    """The Kafka backend on the client ``AGENTLOG_KAFKA_CLIENT`` names (kafka-python by default)."""
+def kafka_backend(
+    bootstrap: str,
+    *,
+    namespace: str = "",
+    client_config: dict[str, Any] | None = None,
+    linger_ms: int | None = None,
+) -> Backend:
+    """The Kafka backend on the client ``AGENTLOG_KAFKA_CLIENT`` names (kafka-python by default).
+
+    ``linger_ms``: how long the producer waits to fill a batch (None: the backend's default)."""
     client = os.environ.get(ENV_KAFKA_CLIENT) or "python"
+    options: dict[str, Any] = {} if linger_ms is None else {"linger_ms": linger_ms}
     if client == "python":
         from log.kafka_backend import KafkaBackend
 
-        return KafkaBackend(bootstrap, namespace=namespace, client_config=client_config)
+        return KafkaBackend(bootstrap, namespace=namespace, client_config=client_config, **options)
     if client == "rdkafka":
         try:
             from log.rdkafka_backend import RdKafkaBackend
@@ -45,20 +54,21 @@ def kafka_backend(bootstrap: str, *, namespace: str = "", client_config: dict[st
             msg = f"{ENV_KAFKA_CLIENT}=rdkafka needs librdkafka's client: pip install 'agentlog[rdkafka]'"
             raise ValueError(msg) from None
 
-        return RdKafkaBackend(bootstrap, namespace=namespace, client_config=client_config)
+        return RdKafkaBackend(bootstrap, namespace=namespace, client_config=client_config, **options)
     raise ValueError(f"{ENV_KAFKA_CLIENT}={client!r}: use one of {', '.join(KAFKA_CLIENTS)}")
 
 
-def backend_for(url: str | None, *, namespace: str | None = None) -> Backend:
+def backend_for(url: str | None, *, namespace: str | None = None, linger_ms: int | None = None) -> Backend:
     """The backend a URL names (see the module docstring).
 
     ``namespace`` (or ``AGENTLOG_NAMESPACE``) keeps several logs apart on one
     server: a topic prefix on Kafka, a schema on Postgres, a store of its own in memory.
+    ``linger_ms`` is the Kafka producer's (None: its default); other backends have none.
     """
     url = url or os.environ.get(ENV_URL) or "embedded"
     namespace = namespace if namespace is not None else os.environ.get(ENV_NAMESPACE, "")
     if url.startswith("kafka://"):
-        return kafka_backend(url.removeprefix("kafka://"), namespace=namespace)
+        return kafka_backend(url.removeprefix("kafka://"), namespace=namespace, linger_ms=linger_ms)
     if url.startswith(("postgresql://", "postgres://")):
         from log.postgres_backend import PostgresBackend
 
@@ -77,6 +87,13 @@ def backend_for(url: str | None, *, namespace: str | None = None) -> Backend:
     )
 
 
-def open_log(url: str | None, *, actor: str, clock: Clock = system_clock, namespace: str | None = None) -> SharedLog:
+def open_log(
+    url: str | None,
+    *,
+    actor: str,
+    clock: Clock = system_clock,
+    namespace: str | None = None,
+    linger_ms: int | None = None,
+) -> SharedLog:
     """A SharedLog for ``actor`` on the log at ``url`` (call ``await log.start()`` or use ``async with``)."""
-    return SharedLog(backend_for(url, namespace=namespace), actor=actor, clock=clock)
+    return SharedLog(backend_for(url, namespace=namespace, linger_ms=linger_ms), actor=actor, clock=clock)

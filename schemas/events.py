@@ -524,6 +524,15 @@ class ResourceReleaseFailed(Model):
     retry_in_ms: float = Field(description="Milliseconds until the next attempt.")
 
 
+class GatewaySessionEnded(Model):
+    """The gateway ended an external agent's session: no request came for the idle timeout, or the client
+    finished it. The planner records it as the session's SessionFinished; later requests are refused."""
+
+    reason: str = Field(description="Why, in words (e.g. no request for 300 s, or finished by the client).")
+    cause: str = Field(description="Machine-readable cause: idle or client.")
+    num_llm_calls: int = Field(description="LLM calls the gateway recorded for the session.")
+
+
 EVENT_TYPES: tuple[type[Model], ...] = (
     SessionStarted,
     SessionFinished,
@@ -563,6 +572,7 @@ EVENT_TYPES: tuple[type[Model], ...] = (
     ResourceAcquired,
     ResourceReleased,
     ResourceReleaseFailed,
+    GatewaySessionEnded,
 )
 """Every body type, in the order of the envelope's ``body`` union (new types go at the end)."""
 
@@ -615,5 +625,6 @@ Event = (
     | ResourceAcquired
     | ResourceReleased
     | ResourceReleaseFailed
+    | GatewaySessionEnded
 )
 """Any event body."""

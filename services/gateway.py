@@ -9,7 +9,10 @@ to the engine and writes only ``agent.gateway`` (docs/architecture.md, "The gate
   decider votes on the tool calls and every reader sees an ordinary session;
 - ``GatewayToolResultReported``: one per ``tool`` message the client sends back for a call
   the gateway released to it; the executor records it as the call's ``ToolCallCompleted``
-  (``adopt_results``) and never runs the call.
+  (``adopt_results``) and never runs the call;
+- ``GatewaySessionEnded``: the session is over (no request for the idle timeout,
+  ``idle_sessions``, or the client finished it); the planner records its ``SessionFinished``
+  after adopting every call (``adopt``), and the gateway refuses later requests.
 
 Steps follow ``services.session``: an LLM call is step k (``llm-<k>``), its n tool calls are
 steps k+1..k+n (``tool-<k+i>``), the next LLM call is step k+n+1.
@@ -39,6 +42,7 @@ __all__ = [
     "adopt_results",
     "adoption_problems",
     "estimate_tokens",
+    "idle_sessions",
     "next_step",
     "prompt_digest",
     "refusal_text",
@@ -145,8 +149,9 @@ def refusal_text(call: GatewayToolCall, reason: str) -> str:
 def adopt(state: SessionState, tools: Mapping[str, ToolSpec]) -> list[Append]:
     """What the planner appends for a gateway session that agent.actions does not hold yet:
     ``SessionStarted`` first, then for each recorded call in step order its ``LLMCallStarted``,
-    ``LLMCallCompleted`` and one ``ToolCallProposed`` per tool call. Each has the deterministic
-    key of what it adopts, so adopting again after a crash appends nothing twice.
+    ``LLMCallCompleted`` and one ``ToolCallProposed`` per tool call, and last, once the gateway
+    ended the session, its ``SessionFinished`` (output: the cause and the reason). Each has the
+    deterministic key of what it adopts, so adopting again after a crash appends nothing twice.
 
     A tool the stack does not know is proposed as irreversible (the conservative guess: the
     client's tool may do anything); the decider's ``arg_schema`` voter aborts unknown tools."""
@@ -199,7 +204,28 @@ def adopt(state: SessionState, tools: Mapping[str, ToolSpec]) -> list[Append]:
                 compensation_tool=spec.compensation if spec is not None else None,
             )
             out.append(Append(sid, proposed, "proposed", tool.call_id))
+    ended = state.gateway_ended
+    if ended is not None and state.status is not SessionStatus.FINISHED:
+        output = {"ended": ended.cause, "reason": ended.reason}
+        finished = ev.SessionFinished(
+            output_json=json.dumps(output, sort_keys=True),
+            num_llm_calls=len(state.gateway_calls),
+            num_tool_calls=sum(len(tool_calls_of(s)) for s in state.gateway_calls.values()),
+        )
+        out.append(Append(sid, finished, "finished"))
     return out
+
+
+def idle_sessions(last_seen: Mapping[str, float], busy: Iterable[str], now: float, idle_timeout_s: float) -> list[str]:
+    """The sessions to end for idleness: no request for ``idle_timeout_s`` (``last_seen``: when each
+    open session's last request arrived or was answered, in seconds) and none in flight (``busy``:
+    a request waiting for its engine or a held verdict is not idleness). Oldest first, then by id;
+    a timeout of 0 or less ends nothing."""
+    if idle_timeout_s <= 0:
+        return []
+    skip = set(busy)
+    due = [(t, sid) for sid, t in last_seen.items() if sid not in skip and now - t >= idle_timeout_s]
+    return [sid for _, sid in sorted(due)]
 
 
 def adopt_results(state: SessionState) -> list[Append]:
@@ -278,4 +304,6 @@ def adoption_problems(state: SessionState) -> list[str]:
         outcome = state.tool_calls[call_id].completed if call_id in state.tool_calls else None
         if outcome is None or outcome.result_json != reported.result_json:
             problems.append(f"{call_id}: the client's reported result is not the call's recorded outcome")
+    if state.gateway_ended is not None and state.status is not SessionStatus.FINISHED:
+        problems.append(f"ended by the gateway ({state.gateway_ended.cause}), not finished (yet)")
     return problems

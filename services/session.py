@@ -251,6 +251,8 @@ class SessionState:
     resources: dict[str, res.Resource] = field(default_factory=dict)
     """What its tools acquired through the executor, by resource id, in acquisition order
     (services/resources.py): released when the session ends, never forgotten until then."""
+    gateway_ended: ev.GatewaySessionEnded | None = None
+    """Why the gateway ended the session (idle or finished by its client); the planner finishes it."""
 
     def __post_init__(self) -> None:
         self.context_id = self.context_id or self.session_id
@@ -400,6 +402,8 @@ def _evolve(state: SessionState, body: ev.Event) -> None:
             state.gateway_calls.setdefault(body.call_id, body)
         case ev.GatewayToolResultReported():
             state.gateway_results.setdefault(body.call_id, body)
+        case ev.GatewaySessionEnded():
+            state.gateway_ended = state.gateway_ended or body
         case ev.LLMCallStarted():
             state.llm_calls.setdefault(body.call_id, LLMCall(body.call_id, body))
         case ev.LLMCallCompleted():

@@ -28,13 +28,21 @@ For each completion the gateway
    calls reach the client, an aborted one is replaced by a text the agent can read
    (``services.gateway.refusal_text``).
 
+A session ends with ``GatewaySessionEnded`` (the planner records its ``SessionFinished``):
+when no request of it arrived for ``--idle-timeout-s`` and none is in flight
+(``services.gateway.idle_sessions``), or when the client posts
+``/v1/sessions/{id}/finish``. A later request of an ended session gets 409
+``session_finished`` (nothing appended; a re-sent request it recorded is still answered
+from the log): a finished session stays finished, so the client starts another session id.
+
 The gateway writes only agent.gateway and reads agent.gateway (its journal: steps,
 idempotency, released calls), agent.verdicts and agent.actions (only to refuse, with 409
 ``session_not_external``, a session id the planner runs a program for). It serves once it has read both to their
 end. Requests of one session are served one at a time (their steps are numbered in order).
 
 Run: ``python -m workers.gateway [--log-url URL] --engine-url http://127.0.0.1:8100
-[--port 8200] [--models NAMES] [--api-keys-file FILE] [--max-requests-per-minute N]``.
+[--port 8200] [--models NAMES] [--api-keys-file FILE] [--max-requests-per-minute N]
+[--idle-timeout-s S]``.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 from aiohttp import web
@@ -64,6 +72,7 @@ from services.gateway import (
     GatewayToolCall,
     RateLimiter,
     estimate_tokens,
+    idle_sessions,
     llm_step_id,
     prompt_digest,
     refusal_text,
@@ -118,8 +127,18 @@ class GatewaySession:
     """When each tool call went out to the client (this process's memory; after a restart the
     time its answer was recorded stands in)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    ended: ev.GatewaySessionEnded | None = None
+    last_seen: float = 0.0
+    """When a request of it last arrived or was answered (epoch seconds of the log's clock; after a
+    restart, its last record's time): what the idle timeout counts from."""
+    num_in_flight: int = 0
+    """Requests being served or waiting for the lock: a session with one is not idle."""
+
+    def seen(self, at: float) -> None:
+        self.last_seen = max(self.last_seen, at)
 
     def record(self, served: ev.GatewayLLMCallServed, at: datetime) -> None:
+        self.seen(at.timestamp())
         self.calls.setdefault(served.call_id, served)
         self.served_at.setdefault(served.call_id, at)
         if served.idempotency_key is not None:
@@ -144,6 +163,9 @@ class GatewayWorker(Worker):
     # agent.actions: only to know the sessions the planner runs, which the gateway must not claim.
     topics = (AGENT_GATEWAY.name, AGENT_VERDICTS.name, AGENT_ACTIONS.name)
     event_ids = GATEWAY_EVENT_IDS
+    # A client waits for each append (one record per request): lingering to fill a batch only
+    # adds to its latency. Concurrent requests still share batches, formed while one is in flight.
+    linger_ms: ClassVar[int | None] = 0
 
     def __init__(
         self,
@@ -156,6 +178,7 @@ class GatewayWorker(Worker):
         host: str = "127.0.0.1",
         port: int = 8200,
         max_requests_per_minute: int = 600,
+        idle_timeout_s: float = 3600.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(log, **kwargs)
@@ -165,6 +188,7 @@ class GatewayWorker(Worker):
         self.api_keys = api_keys
         self.host, self.port = host, port
         self.limiter = RateLimiter(max_requests_per_minute)
+        self.idle_timeout_s = idle_timeout_s
         self.sessions: dict[str, GatewaySession] = {}
         self.verdicts: dict[tuple[str, str], Verdict] = {}
         self.foreign: set[str] = set()
@@ -203,6 +227,12 @@ class GatewayWorker(Worker):
             default=int(env("AGENTLOG_GATEWAY_MAX_RPM", "600")),
             help="per session; more gets 429",
         )
+        parser.add_argument(
+            "--idle-timeout-s",
+            type=float,
+            default=float(env("AGENTLOG_GATEWAY_IDLE_TIMEOUT_S", "3600")),
+            help="end a session after this many seconds without a request (0: never)",
+        )
 
     @classmethod
     async def create(cls, log: SharedLog, args: argparse.Namespace) -> GatewayWorker:
@@ -216,6 +246,7 @@ class GatewayWorker(Worker):
             host=args.host,
             port=args.port,
             max_requests_per_minute=args.max_requests_per_minute,
+            idle_timeout_s=args.idle_timeout_s,
             group=args.group,
             instance_id=args.instance_id,
         )
@@ -275,6 +306,9 @@ class GatewayWorker(Worker):
                 self.session(session_id).record(body, at)
             case ev.GatewayToolResultReported():
                 self.session(session_id).reported.add(body.call_id)
+                self.session(session_id).seen(at.timestamp())
+            case ev.GatewaySessionEnded():
+                self.session(session_id).ended = self.session(session_id).ended or body
             case ev.ToolCallCommitted() | ev.ToolCallAborted():
                 key = (session_id, body.call_id)
                 self.verdicts.setdefault(key, body)
@@ -302,13 +336,71 @@ class GatewayWorker(Worker):
         app = web.Application(client_max_size=32 * 1024**2)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.list_models)
+        app.router.add_post("/v1/sessions/{session_id}/finish", self.finish_session)
         app.router.add_get("/health", self.health)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         _log.info("gateway: serving on http://%s:%d (models %s)", self.host, self.port, ", ".join(self.models))
+        if self.idle_timeout_s > 0:
+            self.alongside(self._end_idle_sessions(), "idle sessions")
         self.ready.set()
+
+    # ------------------------------------------------------------ session ends
+
+    async def _end_idle_sessions(self) -> None:
+        """End every session idle for ``idle_timeout_s``, checking a few times per timeout."""
+        every = min(5.0, max(0.05, self.idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(every)
+            open_sessions = {sid: s.last_seen for sid, s in self.sessions.items() if s.ended is None and s.calls}
+            busy = [sid for sid, s in self.sessions.items() if s.num_in_flight or s.lock.locked()]
+            now = self.log.clock().timestamp()
+            for session_id in idle_sessions(open_sessions, busy, now, self.idle_timeout_s):
+                session = self.sessions[session_id]
+                if session.num_in_flight:
+                    continue  # a request arrived since
+                async with session.lock:
+                    idle_s = self.log.clock().timestamp() - session.last_seen
+                    if session.ended is None and idle_s >= self.idle_timeout_s:
+                        reason = f"no request for {idle_s:.0f} s (idle timeout {self.idle_timeout_s:g} s)"
+                        await self._end(session, "idle", reason)
+
+    async def _end(self, session: GatewaySession, cause: str, reason: str) -> ev.GatewaySessionEnded:
+        """Append the session's end (under its lock, so no request is in flight)."""
+        ended = ev.GatewaySessionEnded(reason=reason, cause=cause, num_llm_calls=len(session.calls))
+        await self._append(session.session_id, ended, "ended", "")
+        _log.info("gateway: session %s ended: %s", session.session_id, reason)
+        return session.ended or ended
+
+    async def finish_session(self, request: web.Request) -> web.Response:
+        """``POST /v1/sessions/{id}/finish``: the client says the session is over (idempotent)."""
+        session_id = request.match_info["session_id"]
+        try:
+            self._authorize(request)
+            if not _SESSION_ID.match(session_id):
+                raise _bad_request("Invalid session id: letters, digits and ._:@- only, at most 200.", None)
+            if session_id in self.foreign:
+                raise _not_external(session_id)
+            session = self.sessions.get(session_id)
+            if session is None or not session.calls:
+                raise RequestError(
+                    404,
+                    f"No session {session_id} went through this gateway.",
+                    type_="invalid_request_error",
+                    code="session_not_found",
+                )
+        except RequestError as e:
+            return e.response()
+        session.num_in_flight += 1
+        try:
+            async with session.lock:
+                ended = session.ended or await self._end(session, "client", "finished by the client")
+        finally:
+            session.num_in_flight -= 1
+        body = {"id": session_id, "object": "agentlog.session", "status": "finished", "cause": ended.cause}
+        return web.json_response({**body, "reason": ended.reason, "num_llm_calls": ended.num_llm_calls})
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "sessions": len(self.sessions)})
@@ -368,21 +460,35 @@ class GatewayWorker(Worker):
         except RequestError as e:
             return e.response()
         if session_id in self.foreign:
-            error = RequestError(
-                409,
-                f"Session {session_id} runs a program on agentlog; a client cannot drive it. Use another session id.",
-                type_="invalid_request_error",
-                code="session_not_external",
-            )
-            return error.response()
+            return _not_external(session_id).response()
+        session = self.session(session_id)
+        session.num_in_flight += 1
+        try:
+            return await self._serve_request(request, session, body)
+        finally:
+            session.seen(self.log.clock().timestamp())
+            session.num_in_flight -= 1
+
+    async def _serve_request(
+        self, request: web.Request, session: GatewaySession, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        session_id = session.session_id
         idem = request.headers.get(IDEMPOTENCY_HEADER) or None
         stream = bool(body.get("stream"))
-        session = self.session(session_id)
         async with session.lock:
             served = self._lookup(session, idem, request_digest(body))
             if served is not None:
                 self.num_replayed += 1
                 return await self._respond(request, session_id, served, stream, body, replay=True)
+            if session.ended is not None:
+                error = RequestError(
+                    409,
+                    f"Session {session_id} is finished ({session.ended.reason}); send later requests "
+                    f"under a new {SESSION_HEADER}.",
+                    type_="invalid_request_error",
+                    code="session_finished",
+                )
+                return error.response()
             now = time.monotonic()
             if not self.limiter.allow(session_id, now):
                 retry = max(1, round(self.limiter.retry_after_s(session_id, now)))
@@ -707,6 +813,15 @@ class GatewayWorker(Worker):
             deltas = [{"content": refusal}] if refusal else []
         await self._send_tail(response, served, deltas, allowed, final_finish, body)
         return response
+
+
+def _not_external(session_id: str) -> RequestError:
+    return RequestError(
+        409,
+        f"Session {session_id} runs a program on agentlog; a client cannot drive it. Use another session id.",
+        type_="invalid_request_error",
+        code="session_not_external",
+    )
 
 
 def _engine_error(status: int, answer: Any) -> RequestError:

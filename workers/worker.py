@@ -68,7 +68,7 @@ import time
 import uuid
 from collections.abc import Coroutine, Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 from log import LoggedEvent, SharedLog
 from log.consumer import EventConsumer
@@ -124,6 +124,8 @@ class Worker:
     """Records per poll."""
     lag_every_s = 5.0
     """With metrics: how often the consumer lag is measured (it asks the log for end offsets)."""
+    linger_ms: ClassVar[int | None] = None
+    """How long the Kafka producer waits to fill a batch (None: the backend's default, 2 ms)."""
 
     def __init__(
         self,

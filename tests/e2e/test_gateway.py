@@ -9,7 +9,9 @@ starts them.
 - a re-sent request (same messages, or the same Idempotency-Key) is answered from the log: the engine's
   request count does not move;
 - every bad request gets its status (401, 400, 404, 429) and nothing is appended;
-- 50 concurrent sessions, 300 requests: every one is exactly one LLM call in the log.
+- 50 concurrent sessions, 300 requests: every one is exactly one LLM call in the log;
+- a session ends when idle for ``--idle-timeout-s`` (also after a gateway crash) or when the client
+  finishes it: the planner records its SessionFinished, and a later request gets 409 ``session_finished``.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ PAYMENT = {  # irreversible: human_approval holds it for an operator
 
 
 class Gateway:
-    def __init__(self, kafka: str, namespace: str, work: Path) -> None:
+    def __init__(self, kafka: str, namespace: str, work: Path, *extra_args: str) -> None:
         self.log_url = f"kafka://{kafka}"
         self.namespace = namespace
         env = {"AGENTLOG_NAMESPACE": namespace, "AGENTLOG_GATEWAY_API_KEYS": API_KEY}
@@ -85,12 +87,15 @@ class Gateway:
             work,
             extra_env=env,
             gateway=True,
-            gateway_args=["--max-requests-per-minute", str(RATE_LIMIT)],
+            gateway_args=["--max-requests-per-minute", str(RATE_LIMIT), *extra_args],
         )
 
     def start(self) -> None:
         ensure_topics(self.log_url, namespace=self.namespace)
         self.stack.start()
+        self.wait_until_serving()
+
+    def wait_until_serving(self) -> None:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             try:
@@ -466,3 +471,116 @@ def _complete(
                     slot["function"]["arguments"] += t.function.arguments or ""
             finish = choice.finish_reason or finish
     return {"content": content, "tool_calls": [calls[i] for i in sorted(calls)], "finish_reason": finish}
+
+
+IDLE_TIMEOUT_S = 3
+
+
+@pytest.fixture(scope="module")
+def idle_gateway(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    work = tmp_path_factory.mktemp("idle-gateway")
+    g = Gateway(kafka_bootstrap, f"t{uuid.uuid4().hex[:10]}", work, "--idle-timeout-s", str(IDLE_TIMEOUT_S))
+    g.start()
+    try:
+        yield g
+    finally:
+        g.stack.stop()
+
+
+def _ended(gateway: Gateway, session: str) -> list[ev.GatewaySessionEnded]:
+    return [
+        e.body
+        for e in gateway.events("agent.gateway")
+        if e.session_id == session and isinstance(e.body, ev.GatewaySessionEnded)
+    ]
+
+
+def _finish(gateway: Gateway, session: str, key: str = API_KEY) -> tuple[int, Any]:
+    url = f"{gateway.stack.gateway_url}/sessions/{session}/finish"
+    request = urllib.request.Request(url, data=b"", headers={"Authorization": f"Bearer {key}"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_an_idle_session_is_finished_and_a_late_request_is_refused_but_a_resent_one_answered(
+    idle_gateway: Gateway,
+) -> None:
+    session, busy = _sid("idle"), _sid("busy")
+    client, busy_client = idle_gateway.client(session), idle_gateway.client(busy)
+    hello = [{"role": "user", "content": "Say hello."}]
+    reply = client.chat.completions.create(model="sim", messages=hello)
+    # A session with requests closer together than the timeout stays open the whole time.
+    began = time.monotonic()
+    for i in range(4):
+        busy_client.chat.completions.create(model="sim", messages=[{"role": "user", "content": f"turn {i}"}])
+        time.sleep(IDLE_TIMEOUT_S / 3)
+    assert time.monotonic() - began > IDLE_TIMEOUT_S and _ended(idle_gateway, busy) == []
+
+    state = idle_gateway.wait_for(session, lambda s: s.finished)  # the session book folds agent.actions
+    assert state.status.value == "finished" and state.actors == {"planner"}
+    (ended,) = _ended(idle_gateway, session)
+    assert json.loads(state.output_json or "{}") == {"ended": "idle", "reason": ended.reason}
+    assert ended.cause == "idle" and f"(idle timeout {IDLE_TIMEOUT_S} s)" in ended.reason and ended.num_llm_calls == 1
+
+    idle_gateway.wait_for(busy, lambda s: s.finished)  # and the busy one ends once it goes quiet
+
+    before, engine_before = idle_gateway.end_offsets(), idle_gateway.engine_requests()
+    with pytest.raises(openai.ConflictError) as late:
+        client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "Still there?"}])
+    assert late.value.code == "session_finished" and "under a new X-Agentlog-Session" in late.value.message
+    again = client.chat.completions.create(model="sim", messages=hello)  # the client re-sends after a crash
+    assert again.choices[0].message.content == reply.choices[0].message.content
+    assert idle_gateway.end_offsets() == before and idle_gateway.engine_requests() == engine_before
+
+
+def test_the_idle_clock_survives_a_gateway_crash_and_so_does_an_end(idle_gateway: Gateway) -> None:
+    ended_before, quiet = _sid("ended-before"), _sid("quiet")
+    idle_gateway.client(ended_before).chat.completions.create(model="sim", messages=[{"role": "user", "content": "a"}])
+    idle_gateway.wait_for(ended_before, lambda s: s.finished)
+    idle_gateway.client(quiet).chat.completions.create(model="sim", messages=[{"role": "user", "content": "b"}])
+    idle_gateway.stack.processes["gateway"].kill()  # SIGKILL right after the answer: no end was appended
+    assert _ended(idle_gateway, quiet) == []
+    idle_gateway.stack.start_process("gateway")
+    idle_gateway.wait_until_serving()
+    # The restarted gateway counts from the session's last record, not from its own start.
+    state = idle_gateway.wait_for(quiet, lambda s: s.finished)
+    assert json.loads(state.output_json or "{}")["ended"] == "idle"
+    assert [e.cause for e in _ended(idle_gateway, quiet)] == ["idle"]
+    with pytest.raises(openai.ConflictError) as late:
+        idle_gateway.client(ended_before).chat.completions.create(
+            model="sim", messages=[{"role": "user", "content": "after the restart"}]
+        )
+    assert late.value.code == "session_finished"
+    assert len(_ended(idle_gateway, ended_before)) == 1
+
+
+def test_the_client_finishes_a_session_explicitly(gateway: Gateway) -> None:
+    session = _sid("finish")
+    client = gateway.client(session)
+    client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "one turn"}])
+
+    assert _finish(gateway, session, key="wrong")[0] == 401
+    assert _finish(gateway, _sid("never-seen"))[0] == 404
+    assert _finish(gateway, "bad%20id")[0] == 400  # a space never makes a session id
+    before = gateway.end_offsets()
+    status, body = _finish(gateway, session)
+    assert status == 200 and body["status"] == "finished" and body["cause"] == "client"
+    assert body["num_llm_calls"] == 1
+    assert _finish(gateway, session) == (200, body), "finishing again answers the same and appends nothing"
+    assert gateway.end_offsets()["agent.gateway"] == before["agent.gateway"] + 1
+    state = gateway.wait_for(session, lambda s: s.finished)
+    assert json.loads(state.output_json or "{}") == {"ended": "client", "reason": "finished by the client"}
+    with pytest.raises(openai.ConflictError) as late:
+        client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "another turn"}])
+    assert late.value.code == "session_finished"
+
+    planned = _sid("planned")
+    gateway.request(planned, "script", {"steps": [{"tool": "sleep", "arguments": {"seconds": 3600}}]})
+    deadline = time.monotonic() + 30
+    while _finish(gateway, planned)[0] == 404 and time.monotonic() < deadline:
+        time.sleep(0.5)  # until the gateway read the planner's SessionStarted
+    status, error = _finish(gateway, planned)
+    assert status == 409 and error["error"]["code"] == "session_not_external"

@@ -9,6 +9,8 @@ from log.errors import BackendUnavailable
 from log.kafka_backend import DLQ_RETENTION_MS, KafkaCluster, one_partition_count, topic_configs
 from log.rdkafka_backend import rdkafka_config
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_namespace_prefixes_topics_and_is_taken_off_again() -> None:
     cluster = KafkaCluster("b:9092", namespace="ns")
@@ -40,3 +42,20 @@ def test_kafka_python_setting_names_become_librdkafka_properties() -> None:
     }
     with pytest.raises(ValueError, match="no librdkafka equivalent known for .* 'max_poll_records'"):
         rdkafka_config({"max_poll_records": 10})
+
+
+@pytest.mark.parametrize("client", ["python", "rdkafka"])
+def test_a_role_may_set_the_producer_linger_and_others_keep_the_default(
+    client: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from log import backend_for
+    from workers.gateway import GatewayWorker
+    from workers.worker import Worker
+
+    monkeypatch.setenv("AGENTLOG_KAFKA_CLIENT", client)
+    assert GatewayWorker.linger_ms == 0  # one record per request, and a client waits for it
+    assert Worker.linger_ms is None
+    gateway = backend_for("kafka://b:9092", linger_ms=GatewayWorker.linger_ms)
+    default = backend_for("kafka://b:9092", linger_ms=Worker.linger_ms)
+    assert (gateway.linger_ms, default.linger_ms) == (0, 2)  # type: ignore[attr-defined]
+    assert backend_for("memory:linger", linger_ms=0) is not None  # other backends take no linger

@@ -17,6 +17,7 @@ from services.gateway import (
     adopt,
     adopt_results,
     adoption_problems,
+    idle_sessions,
     next_step,
     refusal_text,
     reported_tool_results,
@@ -171,3 +172,39 @@ def test_rate_limit_is_a_sliding_window_per_session_and_refusals_do_not_count() 
     assert limiter.retry_after_s("a", 20.0) == 40.0
     assert not limiter.allow("a", 59.0)
     assert limiter.allow("a", 60.5) and not limiter.allow("a", 61.0)
+
+
+def test_an_ended_session_is_finished_after_its_last_call_once() -> None:
+    state = SessionState(SID)
+    apply(state, served(0, (("echo", '{"text": "a"}'),)), "gateway")
+    apply(state, served(2), "gateway")
+    ended = ev.GatewaySessionEnded(reason="no request for 301 s (idle timeout 300 s)", cause="idle", num_llm_calls=2)
+    apply(state, ended, "gateway")
+    assert state.gateway_ended == ended
+    assert adoption_problems(state)[-1] == "ended by the gateway (idle), not finished (yet)"
+    appends = adopt(state, TOOLS)
+    assert [(type(a.body).__name__, a.key) for a in appends][-2:] == [
+        ("LLMCallCompleted", "llm-2"),
+        ("SessionFinished", ""),
+    ]
+    finished = appends[-1].body
+    assert isinstance(finished, ev.SessionFinished) and appends[-1].kind == "finished"
+    assert json.loads(finished.output_json) == {"ended": "idle", "reason": ended.reason}
+    assert (finished.num_llm_calls, finished.num_tool_calls) == (2, 1)
+    adopted(state)
+    assert state.status is SessionStatus.FINISHED and state.finished
+    assert adopt(state, TOOLS) == [] and adoption_problems(state) == [], "finished once"
+    # A second end (a re-append after a crash under another id) changes nothing: the first stands.
+    apply(state, ev.GatewaySessionEnded(reason="finished by the client", cause="client", num_llm_calls=2), "gateway")
+    assert state.gateway_ended == ended and adopt(state, TOOLS) == []
+
+
+def test_idle_sessions_are_those_without_a_request_for_the_timeout_and_none_in_flight() -> None:
+    last_seen = {"a": 100.0, "b": 50.0, "c": 140.0, "d": 10.0}
+    # d is busy (a held tool call keeps its request in flight): not idle however old.
+    assert idle_sessions(last_seen, busy={"d"}, now=160.0, idle_timeout_s=60.0) == ["b", "a"]  # oldest first
+    assert idle_sessions(last_seen, busy=(), now=160.0, idle_timeout_s=60.0) == ["d", "b", "a"]
+    assert idle_sessions({"x": 100.0, "w": 100.0}, busy=(), now=160.0, idle_timeout_s=60.0) == ["w", "x"]
+    assert idle_sessions(last_seen, busy=(), now=160.0, idle_timeout_s=0) == [], "0: never"
+    assert idle_sessions(last_seen, busy=(), now=160.0, idle_timeout_s=-1) == []
+    assert idle_sessions({}, busy=(), now=160.0, idle_timeout_s=60.0) == []
