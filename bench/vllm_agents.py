@@ -2,10 +2,21 @@
 
 Run::
 
-    python -m bench.vllm_agents [--sessions 24] [--rate 0.2] [--time-scale 0.02] [--blocks 40] [--seed 0]
-                                [--url URL --kv-events EP --kv-replay EP --control EP]
+    python -m bench.vllm_agents [--regime tiny|long] [--sessions N] [--rate R] [--time-scale F|auto]
+                                [--blocks B] [--seed 0] [--url URL --kv-events EP --kv-replay EP --control EP]
 
 (``make bench-vllm``; about 1-2 minutes on 2 cores with the tiny model, ~40 s of it starting vLLM.)
+
+**Regimes.** ``tiny`` (the default, CI's model): InferCept sessions on the 2-layer tiny model,
+contexts under 960 tokens. There a recompute of a few hundred tokens costs nothing, so no
+policy can show a gain. ``long``: the regime where recomputation costs real time: the
+``long`` model of ``scripts/make_tiny_model.py`` (6 layers, width 768, an 8k window; build it
+with ``--shape long .cache/long-llama``), the Continuum SWE-agent trajectories cut at 8,192
+tokens (10-19 turns each, contexts growing to 7.5-8k, half-second tool gaps), ``--sessions``
+jobs of them at Poisson arrivals, a KV pool smaller than their working set, and tool time
+scaled by ``--time-scale auto``: the ratio of this model's measured prefill time per token on
+this machine to the cost model's A100/Llama-3-8B one, so a tool gap is as long relative to a
+prefill as it was in the trace's deployment.
 
 **Workload.** InferCept trace sessions (``traces/``), contexts capped at 960 tokens
 (the tiny model's window is 1024), Poisson arrivals at ``--rate`` sessions per trace second.
@@ -39,10 +50,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
+import random
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,13 +64,15 @@ from typing import Any
 import aiohttp
 
 from bench.cache_fullstack import load_sessions
-from bench.cache_policies import cap_context, make_manager
+from bench.cache_policies import cap_context, make_manager, replicate
+from cli.data import CONTINUUM, trace_file
 from schemas import events as ev
 from schemas.events import SessionId
 from services.cache.manager import CacheManager, ManagerConfig
 from services.engine.cost import CostModel
 from services.engine.serial import Sim
 from services.programs.base import Prompt, TokenRun
+from services.traces.continuum import from_continuum
 from services.traces.model import Trace, TraceSession
 from workers.engine_bridge.base import ActuationRefused
 from workers.engine_bridge.vllm import VllmActuator, VllmKVSource
@@ -64,6 +80,7 @@ from workers.engines.vllm.server import VllmServer, VllmServerConfig, repo_root
 from workers.engines.vllm_http import token_ids
 
 ENGINE_ID = "vllm-0"
+RUN = uuid.uuid4().hex[:8]
 MAX_CONTEXT = 960
 VOCAB = 4096
 
@@ -80,11 +97,17 @@ class ModeResult:
     output_tokens: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    queue_ms: float = 0.0
     num_calls: int = 0
 
     @property
     def computed(self) -> int:
         return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def mean_queue_ms(self) -> float:
+        """Mean time a call waited in vLLM's queue before it was scheduled."""
+        return self.queue_ms / self.num_calls if self.num_calls else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -119,6 +142,11 @@ class Driver:
         self.manager: CacheManager | None = None
         self.actuator: VllmActuator | None = None
         self._seq = 0
+
+    def session_id(self, s: TraceSession) -> str:
+        """The session's id on vLLM: per mode and per run (its token ids derive from it), so that
+        no mode, and no earlier run on the same server, shares a cached block with another."""
+        return f"{self.mode}-{RUN}-{s.session_id}"
 
     def now(self) -> float:
         """Trace seconds since the start (the manager's clock)."""
@@ -159,12 +187,12 @@ class Driver:
     async def session(self, s: TraceSession) -> None:
         await asyncio.sleep(max(0.0, s.arrival_s * self.time_scale - (time.monotonic() - self.t0)))
         began = time.monotonic()
-        sid = f"{self.mode}-{s.session_id}"
+        sid = self.session_id(s)
         context: list[int] = []
         for i, turn in enumerate(s.turns):
             if i == 0 and turn.shared_prefix is not None:
                 prefix = turn.shared_prefix
-                context += ids(f"{self.mode}:prefix:{prefix.context_id}", prefix.tokens)
+                context += ids(f"{self.mode}:{RUN}:prefix:{prefix.context_id}", prefix.tokens)
                 context += ids(f"{sid}:prompt:{i}", max(0, turn.prompt_tokens - prefix.tokens))
             else:
                 context += ids(f"{sid}:prompt:{i}", turn.prompt_tokens)
@@ -185,6 +213,7 @@ class Driver:
             self.result.output_tokens += int(usage["completion_tokens"])
             self.result.prefill_ms += float(metrics.get("time_to_first_token_ms") or 0)
             self.result.decode_ms += float(metrics.get("generation_time_ms") or 0)
+            self.result.queue_ms += float(metrics.get("queue_time_ms") or 0)
             self.result.num_calls += 1
             context += list(choice.get("token_ids") or [])
             await self.feed(
@@ -256,7 +285,7 @@ async def run_mode(mode: str, trace: Trace, endpoints: dict[str, str], blocks: i
             await source.aclose()
         if driver.actuator is not None:
             for s in trace:  # leave nothing pinned for the next mode
-                await driver.actuator.control.call("release", session=f"{mode}-{s.session_id}")
+                await driver.actuator.control.call("release", session=driver.session_id(s))
             await driver.actuator.aclose()
         return driver.result
 
@@ -287,7 +316,8 @@ def ratio(a: float, b: float) -> str:
 
 def print_table(results: dict[str, dict[str, ModeResult]], out: Any = sys.stdout) -> None:
     print(
-        f"{'':30}{'prefill computed':>17}{'cached':>9}{'hit rate':>9}{'mean JCT':>10}{'p95 JCT':>9}  decisions",
+        f"{'':30}{'prefill computed':>17}{'cached':>9}{'hit rate':>9}{'mean JCT':>10}{'p95 JCT':>9}"
+        f"{'queue/call':>11}  decisions",
         file=out,
     )
     for label, rows in results.items():
@@ -299,7 +329,8 @@ def print_table(results: dict[str, dict[str, ModeResult]], out: Any = sys.stdout
                 decisions += f"; {r.pressure_releases} pins released under pressure"
             print(
                 f"{label + ' ' + name:30}{r.computed:>17}{r.cached_tokens:>9}{r.hit_rate:>9.1%}"
-                f"{r.mean_jct:>9.2f}{unit[0]}{r.p95_jct:>8.2f}{unit[0]}  {decisions}",
+                f"{r.mean_jct:>9.2f}{unit[0]}{r.p95_jct:>8.2f}{unit[0]}"
+                f"{(f'{r.mean_queue_ms:.0f} ms' if label == 'real vLLM' else '-'):>11}  {decisions}",
                 file=out,
             )
         a, b = rows["manager"], rows["vllm"]
@@ -315,60 +346,164 @@ def print_table(results: dict[str, dict[str, ModeResult]], out: Any = sys.stdout
     )
 
 
+@dataclass(frozen=True)
+class Regime:
+    """Defaults of one regime (see the module docstring); every one can be overridden."""
+
+    model: str
+    max_context: int
+    sessions: int
+    rate: float
+    blocks: int
+    time_scale: str
+
+
+REGIMES = {
+    "tiny": Regime(".cache/tiny-llama", MAX_CONTEXT, 24, 0.2, 40, "0.02"),
+    "long": Regime(".cache/long-llama", 8192, 10, 0.05, 640, "auto"),
+}
+
+
+def workload(regime: str, sessions: int, rate: float, seed: int, max_context: int) -> tuple[str, Trace]:
+    if regime == "tiny":
+        return "InferCept", cap_context(Trace(tuple(load_sessions(sessions, rate, seed))), max_context)
+    raw = json.loads(trace_file(CONTINUUM).read_text())
+    base = cap_context(from_continuum(raw, arrival_rate_per_s=1.0, rng=random.Random(seed)), max_context)
+    copies = -(-sessions // max(1, len(base)))
+    jobs = replicate(base, copies, rate, random.Random(seed))
+    return "Continuum SWE-agent", Trace(jobs.sessions[:sessions])
+
+
+async def prefill_ms_per_token(url: str, tokens: int) -> float:
+    """This model's prefill time per token on this machine (vLLM's time to first token of one
+    ``tokens``-token prompt, after a warm-up of the same size)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        driver = Driver("calibrate", url, http, 1.0)
+        ttft = 0.0
+        salt = uuid.uuid4().hex  # never a prefix hit, not even on a server that ran this before
+        for attempt in range(2):  # the first compiles and warms up; the second is measured
+            prompt = ids(f"calibrate:{salt}:{attempt}", tokens)
+            answer = await driver.complete(f"calibrate-{salt}-{attempt}", "llm-0", prompt, 1)
+            ttft = float((answer.get("metrics") or {}).get("time_to_first_token_ms") or 0.0)
+        return ttft / tokens
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.vllm_agents", description=__doc__.split("\n")[0])
-    parser.add_argument("--sessions", type=int, default=24)
-    parser.add_argument("--rate", type=float, default=0.2, help="session arrivals per trace second")
-    parser.add_argument("--time-scale", type=float, default=0.02, help="wall seconds per trace second of tools")
-    parser.add_argument("--blocks", type=int, default=40, help="vLLM's KV pool, blocks of 32 tokens")
+    parser.add_argument("--regime", choices=sorted(REGIMES), default="tiny")
+    parser.add_argument("--sessions", type=int, help="default: the regime's")
+    parser.add_argument("--rate", type=float, help="session arrivals per trace second")
+    parser.add_argument("--time-scale", help="wall seconds per trace second of tools, or auto (see the docstring)")
+    parser.add_argument("--blocks", type=int, help="vLLM's KV pool, blocks of 32 tokens")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=str(repo_root() / ".cache" / "tiny-llama"))
+    parser.add_argument("--model", help="default: the regime's model under the repository")
     parser.add_argument("--url", help="a running server (with --kv-events, --kv-replay, --control); default: start one")
     parser.add_argument("--kv-events")
     parser.add_argument("--kv-replay")
     parser.add_argument("--control")
+    parser.add_argument("--txt", type=Path, help="also write the output here")
     args = parser.parse_args(argv)
+    regime = REGIMES[args.regime]
+    sessions = args.sessions or regime.sessions
+    rate = args.rate or regime.rate
+    blocks = args.blocks or regime.blocks
+    model = args.model or str(repo_root() / regime.model)
+    out = Tee(args.txt)
 
-    sessions = load_sessions(args.sessions, args.rate, args.seed)
-    trace = cap_context(Trace(tuple(sessions)), MAX_CONTEXT)
-    print(
-        f"{len(trace)} InferCept sessions, {sum(len(s.turns) for s in trace)} LLM calls, contexts <= {MAX_CONTEXT} "
-        f"tokens; KV pool {args.blocks} blocks x 32 tokens; tools x{args.time_scale:g}"
+    name, trace = workload(args.regime, sessions, rate, args.seed, regime.max_context)
+    contexts = sorted(s.final_context_tokens for s in trace)
+    out.print(
+        f"{len(trace)} {name} sessions, {sum(len(s.turns) for s in trace)} LLM calls, final contexts "
+        f"{contexts[0]}-{contexts[-1]} tokens (cut at {regime.max_context}); KV pool {blocks} blocks x 32 tokens "
+        f"({blocks * 32} tokens); model {Path(model).name}"
     )
     server = None
     if args.url:
         endpoints = {"url": args.url, "kv_events": args.kv_events, "kv_replay": args.kv_replay, "control": args.control}
     else:
         run_dir = Path(tempfile.mkdtemp(prefix="agentlog-bench-vllm-"))
-        config = VllmServerConfig(model=args.model, run_dir=run_dir, num_gpu_blocks=args.blocks)
+        config = VllmServerConfig(
+            model=model, run_dir=run_dir, num_gpu_blocks=blocks, max_model_len=regime.max_context + 256
+        )
         began = time.monotonic()
         server = VllmServer(config).start()
-        print(f"vLLM ready in {time.monotonic() - began:.0f} s")
+        out.print(f"vLLM ready in {time.monotonic() - began:.0f} s")
         endpoints = {
             "url": config.url, "kv_events": config.kv_events, "kv_replay": config.kv_replay, "control": config.control
         }  # fmt: skip
     try:
+        time_scale_arg = args.time_scale or regime.time_scale
+        if time_scale_arg == "auto":
+            measured = asyncio.run(prefill_ms_per_token(endpoints["url"], min(4096, regime.max_context // 2)))
+            reference = CostModel(block_size=32).prefill_ms(4096) / 4096
+            time_scale = measured / reference
+            out.print(
+                f"prefill here {measured:.3f} ms/token vs the cost model's A100 {reference:.3f}: "
+                f"tools x{time_scale:.2f} (--time-scale auto)"
+            )
+        else:
+            time_scale = float(time_scale_arg)
+            out.print(f"tools x{time_scale:g}")
         real = {}
         for mode in ("vllm", "manager"):
             began = time.monotonic()
-            real[mode] = asyncio.run(run_mode(mode, trace, endpoints, args.blocks, args.time_scale))
-            print(f"{mode}: {time.monotonic() - began:.1f} s")
+            real[mode] = asyncio.run(run_mode(mode, trace, endpoints, blocks, time_scale))
+            out.print(f"{mode}: {time.monotonic() - began:.1f} s")
     finally:
         if server is not None:
             server.stop()
-    cost = calibrated(real["vllm"], args.time_scale)
-    print(
+    cost = calibrated(real["vllm"], time_scale)
+    out.print(
         f"calibrated cost model (trace ms): prefill {cost.prefill_ms_per_token:.2f}/token, "
         f"decode {cost.decode_ms_per_token:.1f}/token"
     )
+    sim = simulate(trace, blocks, cost)
     print_table(
         {
             "real vLLM": real,
-            "sim (A100 model)": simulate(trace, args.blocks, CostModel(block_size=32)),
-            "sim (calibrated)": simulate(trace, args.blocks, cost),
-        }
+            "sim (A100 model)": simulate(trace, blocks, CostModel(block_size=32)),
+            "sim (calibrated)": sim,
+        },
+        out,
     )
+    print_prediction(real, sim, time_scale, out)
+    out.close()
     return 0
+
+
+def print_prediction(real: dict[str, ModeResult], sim: dict[str, ModeResult], time_scale: float, out: Tee) -> None:
+    """How well the calibrated simulator predicts the real run: its job times in wall seconds
+    (trace seconds times the time scale) and the manager / vllm ratios."""
+    out.print("simulator prediction (calibrated, serial engine model) vs the real run:")
+    for name in ("vllm", "manager"):
+        predicted = sim[name].mean_jct * time_scale
+        err = predicted / real[name].mean_jct - 1 if real[name].mean_jct else 0.0
+        out.print(f"  {name:8} mean JCT real {real[name].mean_jct:.1f} s, predicted {predicted:.1f} s ({err:+.0%})")
+    real_ratio = real["manager"].mean_jct / real["vllm"].mean_jct if real["vllm"].mean_jct else 0.0
+    sim_ratio = sim["manager"].mean_jct / sim["vllm"].mean_jct if sim["vllm"].mean_jct else 0.0
+    out.print(f"  manager/vllm mean JCT real {real_ratio:.2f}, predicted {sim_ratio:.2f}")
+
+
+class Tee:
+    """Print to stdout and, with a path, to a file too (bench/results/)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._file = path.open("w") if path is not None else None
+
+    def print(self, *parts: object) -> None:
+        print(*parts)
+        if self._file is not None:
+            print(*parts, file=self._file)
+
+    def write(self, text: str) -> int:
+        sys.stdout.write(text)
+        if self._file is not None:
+            self._file.write(text)
+        return len(text)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 if __name__ == "__main__":

@@ -65,7 +65,20 @@ def corpus(num_lines: int = 20_000) -> list[str]:
     return lines
 
 
-def build(out: Path) -> None:
+# Model shapes. ``tiny`` (the default): CI's model, where a prefill costs almost nothing.
+# ``long``: enough layers and width, and an 8k window, that prefilling a 2-8k-token agent
+# context takes seconds on a CPU, as it takes real time relative to tool gaps in deployments
+# (bench/vllm_agents.py --regime long). Both: head size 64 (the CPU attention backend supports
+# 32..512 in steps of 32), random weights from the same seed.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "max_position_embeddings": 4096},
+    "long": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 6, "num_attention_heads": 12,
+             "num_key_value_heads": 4, "max_position_embeddings": 8192},
+}  # fmt: skip
+
+
+def build(out: Path, shape: str = "tiny") -> None:
     # One thread for the BPE trainer: its merges must not depend on thread scheduling.
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     import torch
@@ -84,20 +97,20 @@ def build(out: Path) -> None:
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus(), trainer=trainer)
+    dims = SHAPES[shape]
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", model_max_length=4096
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=dims["max_position_embeddings"],
     )
     fast.save_pretrained(out)
 
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        **dims,
         head_dim=64,
-        max_position_embeddings=4096,
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
@@ -122,15 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, nargs="?", default=Path(".cache/tiny-llama"))
     parser.add_argument("--force", action="store_true", help="rebuild even when the directory has a model")
     parser.add_argument("--check", action="store_true", help="build twice and fail unless the files are identical")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="tiny (CI) or long (8k window)")
     args = parser.parse_args(argv)
     if (args.out / "model.safetensors").exists() and not args.force and not args.check:
         print(f"{args.out}: already built ({digest(args.out)[:16]})")
         return 0
-    build(args.out)
+    build(args.out, args.shape)
     print(f"{args.out}: built ({digest(args.out)[:16]})")
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
-            build(Path(tmp))
+            build(Path(tmp), args.shape)
             if digest(Path(tmp)) != digest(args.out):
                 print("not deterministic: a second build differs", file=sys.stderr)
                 return 1
