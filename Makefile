@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: install demo test test-unit lint bench-log kafka-up kafka-down clean vllm-install tiny-model vllm-up vllm-down test-vllm bench-vllm
+.PHONY: install demo test test-unit lint bench-log kafka-up kafka-down clean vllm-install tiny-model long-model vllm-up vllm-down test-vllm bench-vllm
 
 ## vLLM lives in its own virtualenv (it pins torch and transformers): the CPU build where there
 ## is no GPU (scripts/install_vllm.sh says how), the regular wheel on a GPU machine.
@@ -56,6 +56,10 @@ vllm-install:
 
 tiny-model: vllm-install
 	env -u PYTHONDONTWRITEBYTECODE $(VLLM_VENV)/bin/python scripts/make_tiny_model.py $(TINY_MODEL)
+
+## The regime where a prefill costs real time (bench/vllm_agents.py --regime long): 6 layers, an 8k window.
+long-model: vllm-install
+	env -u PYTHONDONTWRITEBYTECODE $(VLLM_VENV)/bin/python scripts/make_tiny_model.py --shape long .cache/long-llama
 
 vllm-up: install tiny-model
 	AGENTLOG_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m workers.engines.vllm.server start --model $(TINY_MODEL) \
