@@ -30,7 +30,17 @@ async def hold_all(args: dict[str, Any], ctx: Any) -> dict[str, Any]:
         if args.get("stubborn")
         else "import subprocess, time; subprocess.Popen(['sleep', '600']); time.sleep(600)"
     )
-    process = await ctx.resources.process([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
+    if args.get("stubborn"):
+        lease = await ctx.resources.process([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        # Only once it says so does it ignore SIGTERM: a release before that would end it on SIGTERM.
+        assert lease.process is not None and lease.process.stdout is not None
+        ready = await asyncio.to_thread(lease.process.stdout.readline)
+        if ready.strip() != b"ready":
+            raise RuntimeError(f"the stubborn process did not start: {ready!r}")
+        lease.process.stdout.close()
+        process = lease.process
+    else:
+        process = (await ctx.resources.process([sys.executable, "-c", code], stdout=subprocess.DEVNULL)).process
     port = await ctx.resources.port()
     return {"dir": str(directory.path), "file": str(temp.path), "pid": process.pid, "port": port.port}
 
