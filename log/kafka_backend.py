@@ -350,6 +350,7 @@ class KafkaSubscription(KafkaGroupMember, ConsumerRebalanceListener):  # type: i
         self._held = {(tp.topic, tp.partition) for tp in revoked}
 
     def on_partitions_assigned(self, assigned: Any) -> None:
+        self.assignments += 1
         if self.from_beginning:
             # Partitions new to this member start at 0; partitions it kept continue where it was.
             new = [tp for tp in assigned if (tp.topic, tp.partition) not in self._held]
