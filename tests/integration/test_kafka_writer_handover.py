@@ -5,7 +5,10 @@ The chaos bench (100 sessions, 50 faults) ended with ``logctl verify`` reporting
 seq 0 and 1 of a session, its partition moved to the other planner (which appended seq 2
 and 3), and came back when that one was killed; the first planner still held the chain's
 tail of before and appended a second seq 2. Kafka refuses nothing, so the chain held a
-duplicate. This test is that handover, with two writers in one group on the real broker.
+duplicate, and every reader set aside (dead-lettered) that record and each one the writer
+linked to it after: a session whose later events no reader sees never ends (the hang of
+an earlier CI-sized chaos run). This test is that handover, with two writers in one group
+on the real broker, and a reader.
 """
 
 from __future__ import annotations
@@ -90,7 +93,22 @@ def test_a_partition_back_from_the_other_planner_is_re_read_before_appending(
                 await until_assigned([one], n)
                 for p in moved:
                     await a.append(sessions[p], started(2))
+                    await a.append(sessions[p], started(3))
+        # A reader of the log (a decider, the operator) gets every one of them, none set aside.
+        async with (
+            open_log(url, actor="auditor", namespace=namespace) as reader,
+            reader.consumer(f"read-{uuid.uuid4().hex[:6]}", [ACTIONS], from_beginning=True) as events,
+        ):
+            got: list[tuple[str, int]] = []
+            for _ in range(100):
+                got += [(e.session_id, e.seq) for e in await events.poll(0.2)]
+                if len(got) >= n + 3 * len(moved):
+                    break
+            assert events.stats.num_dead_lettered == 0
+            assert sorted(got) == sorted(
+                [(s, 0) for s in sessions.values()] + [(sessions[p], q) for p in moved for q in (1, 2, 3)]
+            )
             for p in moved:
-                assert await seqs(a, sessions[p]) == [0, 1, 2]
+                assert await seqs(reader, sessions[p]) == [0, 1, 2, 3]
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=120))
