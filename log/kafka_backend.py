@@ -16,8 +16,8 @@ import asyncio
 import contextlib
 import os
 import threading
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.admin import KafkaAdminClient
@@ -107,6 +107,28 @@ class _BatchWaiter:
         self.future.set_result(positions)
 
 
+_Built = TypeVar("_Built")
+
+
+async def built_in_thread(build: Callable[[], _Built], close: Callable[[_Built], None]) -> _Built:
+    """``build()`` (a kafka-python client: it connects, so it blocks) in a worker thread.
+
+    A caller cancelled meanwhile (a ``wait_for`` that gave up on a paused broker) cannot stop
+    the thread, which finishes building: what it built is then closed, from a thread of its
+    own, instead of leaking its sockets and its I/O thread."""
+    future = asyncio.get_running_loop().run_in_executor(None, build)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+
+        def close_when_built(done: asyncio.Future[_Built]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                threading.Thread(target=close, args=(done.result(),), daemon=True).start()
+
+        future.add_done_callback(close_when_built)
+        raise
+
+
 def topic_configs(topic: topic_table.Topic) -> dict[str, str]:
     """The Kafka topic settings of one of the log's topics."""
     retention = "-1" if topic.infinite_retention else str(DLQ_RETENTION_MS)
@@ -170,15 +192,17 @@ class KafkaBackend(KafkaCluster, Backend):
 
     async def start(self) -> None:
         try:
-            self._producer = await asyncio.to_thread(
-                KafkaProducer,
-                bootstrap_servers=self.bootstrap,
-                reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS,
-                acks="all",
-                enable_idempotence=True,
-                linger_ms=self.linger_ms,
-                batch_size=256 * 1024,
-                **self.client_config,
+            self._producer = await built_in_thread(
+                lambda: KafkaProducer(
+                    bootstrap_servers=self.bootstrap,
+                    reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS,
+                    acks="all",
+                    enable_idempotence=True,
+                    linger_ms=self.linger_ms,
+                    batch_size=256 * 1024,
+                    **self.client_config,
+                ),
+                lambda producer: producer.close(),
             )
         except KafkaError as e:
             raise BackendUnavailable(f"cannot reach Kafka at {self.bootstrap}: {e}") from e
@@ -240,7 +264,7 @@ class KafkaBackend(KafkaCluster, Backend):
     async def _take_scanner(self) -> Any:
         if self._scanners:
             return self._scanners.pop()
-        return await asyncio.to_thread(self._consumer, group_id=None)
+        return await built_in_thread(lambda: self._consumer(group_id=None), lambda scanner: scanner.close())
 
     async def scan(
         self, topic: str, partition: int, start: int = 0, end: int | None = None
@@ -284,8 +308,17 @@ class KafkaBackend(KafkaCluster, Backend):
         self, group: str, topics: Sequence[str], *, from_beginning: bool, instance_id: str | None = None
     ) -> Subscription:
         subscription = KafkaSubscription(self, group, topics, from_beginning=from_beginning, instance_id=instance_id)
-        await asyncio.to_thread(subscription.join)
-        return subscription
+
+        def join() -> KafkaSubscription:
+            subscription.join()
+            return subscription
+
+        return await built_in_thread(join, _leave)
+
+
+def _leave(subscription: KafkaSubscription) -> None:
+    if subscription._consumer is not None:
+        subscription._consumer.close()
 
 
 class KafkaGroupMember(Subscription):

@@ -79,7 +79,13 @@ class SharedLog:
 
     async def start(self) -> SharedLog:
         await self.backend.start()
-        self.num_partitions = await self.backend.num_partitions()
+        try:
+            self.num_partitions = await self.backend.num_partitions()
+        except BaseException:
+            # Not started, so no one will close it (``async with`` calls no __aexit__ then),
+            # also when the caller gave up waiting (cancelled): what the backend opened is closed.
+            await self.backend.close()
+            raise
         return self
 
     async def close(self) -> None:
