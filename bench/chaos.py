@@ -1,7 +1,7 @@
 """Chaos at scale: sessions on a real stack while every role, the engine and the broker are hit.
 
     python -m bench.chaos [--sessions 200] [--faults 100] [--seed 1] [--time-scale 0.1]
-        [--pg-url postgresql://...] [--work-dir DIR]
+        [--pg-url postgresql://...] [--broker-port PORT] [--work-dir DIR]
 
 A Kafka broker of the run's own (its own port and data directory) and the stack's processes
 (sim engine, two planners, decider, executor) under ``cli.stack.Supervisor``, as ``logctl up``
@@ -9,16 +9,18 @@ runs them; sessions of LLM, tool and payment steps requested spread over the fau
 an operator loop approving payments and resolving in-doubt calls from the ledger, and the
 seeded fault schedule of ``bench/chaos_lib.py`` (same seed, same faults) applied from a thread:
 SIGKILL of each role, engine restarts, broker SIGKILL + restart, broker SIGSTOP past the
-consumers' session timeout + SIGCONT. The invariants are read back afterwards from the log,
+consumers' session timeout + SIGCONT, and restarts of the ledger's and snapshots' Postgres.
+The invariants are read back afterwards from the log,
 the ledger, the engine's /stats and ``logctl verify``; the exit code is 1 if any fails.
 
-Postgres (the ledger): ``--pg-url``, else ``AGENTLOG_PG_URL``, else the embedded server.
+Postgres (the ledger and snapshots): an embedded server of the run's own under the work
+directory, restarted by the schedule; with ``--pg-url``, that server instead, never restarted
+(and no Postgres restart in the schedule).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -33,19 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--time-scale", type=float, default=0.1, help="the sim engine's and tools' time factor")
     parser.add_argument("--window", type=float, default=0.0, help="seconds to spread faults over (0: from counts)")
-    parser.add_argument("--pg-url", default=os.environ.get("AGENTLOG_PG_URL"))
+    parser.add_argument("--pg-url", help="use this Postgres (not restarted) instead of one of the run's own")
+    parser.add_argument("--broker-port", type=int, default=0, help="the run's broker port (+1: its controller)")
     parser.add_argument("--work-dir", type=Path, help="default: a fresh temp dir (kept: the processes' logs)")
     args = parser.parse_args(argv)
-    pg_url = args.pg_url
-    if not pg_url:
-        from log.embedded import start_embedded
-
-        root = Path(tempfile.mkdtemp(prefix="agentlog-chaos-pg-"))
-        root.chmod(0o755)
-        pg_url = start_embedded(root / "data")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="agentlog-chaos-"))
     run = ChaosRun(
-        work, pg_url, args.sessions, args.faults, args.seed, window_s=args.window, time_scale=args.time_scale
+        work,
+        args.pg_url,
+        args.sessions,
+        args.faults,
+        args.seed,
+        window_s=args.window,
+        time_scale=args.time_scale,
+        broker_port=args.broker_port,
     )
     report = run.run()
     print(f"python -m bench.chaos --sessions {args.sessions} --faults {args.faults} --seed {args.seed}")

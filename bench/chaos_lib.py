@@ -4,14 +4,15 @@ Shared by ``bench/chaos.py`` (at scale) and the end-to-end tests (``tests/e2e/te
 drives its crash-point scenarios with ``Operator``). Everything is real: OS processes from
 ``cli.stack``, a Kafka broker of the run's own (``LocalKafkaBroker``, its own port and data
 directory, so it can be SIGKILLed, paused and restarted without touching anyone else's), and
-Postgres for the ledger.
+Postgres for the ledger and the planners' snapshots.
 
 ``fault_schedule`` is pure: the same seed gives the same faults at the same offsets.
 The invariants are read back from the log, the ledger and the engine's record after the run,
 never inferred from timers.
 
-Postgres restarts are not in the schedule: the run uses the shared Postgres for the ledger,
-and restarting a server others use is not a fault this harness may inject.
+Postgres restarts are in the schedule only when the run has a Postgres of its own
+(``ChaosRun.pg_data``: an embedded server started for the run); a server others use is
+never restarted.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import os
 import random
 import signal
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -225,6 +228,7 @@ ROLES = ("planner-0", "planner-1", "decider", "executor", "engine")
 BROKER_KILL = "broker-kill"
 BROKER_PAUSE = "broker-pause"
 ENGINE_RESTART = "engine-restart"
+POSTGRES_RESTART = "postgres-restart"
 
 
 def kill(role: str) -> str:
@@ -238,17 +242,25 @@ class Fault:
     kind: str
     """``kill <role>`` (SIGKILL), ``broker-kill`` (SIGKILL, then a restart on the same port and
     data), ``broker-pause`` (SIGSTOP past the consumers' session timeout, then SIGCONT) or
-    ``engine-restart`` (SIGTERM; the supervisor starts it again)."""
+    ``engine-restart`` (SIGTERM; the supervisor starts it again) or ``postgres-restart`` (the
+    ledger's and snapshots' server stopped, fast shutdown, and started again on the same data)."""
 
 
 def fault_schedule(
-    seed: int, num_faults: int, window_s: float, roles: tuple[str, ...] = ROLES, min_broker_kills: int = 1
+    seed: int,
+    num_faults: int,
+    window_s: float,
+    roles: tuple[str, ...] = ROLES,
+    min_broker_kills: int = 1,
+    *,
+    postgres: bool = False,
 ) -> list[Fault]:
     """``num_faults`` faults at seeded random offsets in ``window_s``, sorted by time.
 
-    Broker faults are one in ten (at least ``min_broker_kills`` kills), kept at least
-    ``BROKER_GAP_S`` apart so that each outage is over before the next begins; every other
-    fault is a role SIGKILL or an engine restart, chosen uniformly."""
+    Broker faults are one in ten (at least ``min_broker_kills``: kills and pauses in turn),
+    kept at least ``BROKER_GAP_S`` apart so that each outage is over before the next begins;
+    every other fault is a role SIGKILL, an engine restart or (with ``postgres``) a Postgres
+    restart, chosen uniformly."""
     rng = random.Random(seed)
     num_broker = min(num_faults, max(min_broker_kills, num_faults // 10))
     slots = max(1, int(window_s // BROKER_GAP_S))
@@ -262,7 +274,7 @@ def fault_schedule(
         )
         for i, slot in enumerate(broker_slots)
     ]
-    kinds = [kill(r) for r in roles] + [ENGINE_RESTART]
+    kinds = [kill(r) for r in roles] + [ENGINE_RESTART] + ([POSTGRES_RESTART] if postgres else [])
     faults += [Fault(round(rng.uniform(0, window_s), 3), rng.choice(kinds)) for _ in range(num_faults - len(faults))]
     return sorted(faults, key=lambda f: (f.at_s, f.kind))
 
@@ -274,14 +286,49 @@ PAUSE_S = 9.0
 """Longer than the consumers' 6 s session timeout (log/kafka_backend.py): the group drops them."""
 
 
+@dataclass
+class Postgres:
+    """The run's own embedded Postgres (``python -m log.embedded``, in a process of its own each
+    time: the library keeps one server handle per data directory and process)."""
+
+    pgdata: Path
+    url: str = ""
+
+    def _embedded(self, command: str) -> str:
+        argv = [sys.executable, "-m", "log.embedded", command, "--pgdata", str(self.pgdata)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"log.embedded {command} failed: {done.stderr.strip()[-500:]}")
+        return done.stdout.strip()
+
+    def start(self) -> str:
+        self.pgdata.parent.mkdir(parents=True, exist_ok=True)
+        url = self._embedded("start").removeprefix("AGENTLOG_PG_URL=")
+        # Same data directory, same socket directory: the URL the stack holds stays good.
+        if self.url and url != self.url:
+            raise RuntimeError(f"Postgres came back at another address ({url}, was {self.url})")
+        self.url = url
+        return url
+
+    def stop(self) -> None:
+        self._embedded("stop")
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
 class FaultInjector(threading.Thread):
     """Applies a schedule to a running stack and broker, from its own thread."""
 
-    def __init__(self, schedule: list[Fault], stack: Stack, broker: LocalKafkaBroker) -> None:
+    def __init__(
+        self, schedule: list[Fault], stack: Stack, broker: LocalKafkaBroker, postgres: Postgres | None = None
+    ) -> None:
         super().__init__(name="faults", daemon=True)
         self.schedule = schedule
         self.stack = stack
         self.broker = broker
+        self.postgres = postgres
         self.applied: Counter[str] = Counter()
         self.broker_back_at: list[float] = []
         """time.time() of each broker kill or pause (its recovery is measured from there)."""
@@ -321,6 +368,9 @@ class FaultInjector(threading.Thread):
             os.kill(pid, signal.SIGCONT)
         elif kind == ENGINE_RESTART:
             self.stack.processes["engine"].stop()
+        elif kind == POSTGRES_RESTART:
+            assert self.postgres is not None, "a Postgres restart in a run without a Postgres of its own"
+            self.postgres.restart()
         else:
             role = kind.removeprefix("kill ")
             if role in self.stack.processes:
@@ -391,7 +441,9 @@ class ChaosReport:
 @dataclass
 class ChaosRun:
     work_dir: Path
-    pg_url: str
+    pg_url: str | None
+    """The ledger's and snapshots' Postgres; None: an embedded one of the run's own (under
+    ``work_dir``), which the schedule then restarts too."""
     num_sessions: int
     num_faults: int
     seed: int
@@ -399,24 +451,42 @@ class ChaosRun:
     """Faults and session requests are spread over this many seconds (0: a default from the counts)."""
     time_scale: float = 0.1
     deadline_s: float = 600.0
+    broker_port: int = 0
+    """The run's broker listens here and its controller on the next port (0: free ports)."""
+    min_broker_faults: int = 1
+    """At least this many broker faults (kills and pauses in turn), if the window has room."""
+
+    def schedule(self) -> list[Fault]:
+        """The faults of this run: the seed, the counts and whether Postgres is the run's own decide them."""
+        window = self.window()
+        return fault_schedule(
+            self.seed, self.num_faults, window, min_broker_kills=self.min_broker_faults, postgres=self.pg_url is None
+        )
+
+    def window(self) -> float:
+        return self.window_s or max(30.0, self.num_faults * 3.0, self.num_sessions * 0.5)
 
     def run(self) -> ChaosReport:
-        window = self.window_s or max(30.0, self.num_faults * 3.0, self.num_sessions * 0.5)
-        schedule = fault_schedule(self.seed, self.num_faults, window)
+        window = self.window()
+        schedule = self.schedule()
         namespace = f"chaos{uuid.uuid4().hex[:8]}"
-        # Unique per run (the ledger is shared and keyed by session): the seed decides the faults only.
+        # Unique per run (the ledger may be shared, keyed by session): the seed decides the faults only.
         sessions = [f"c{i}-{namespace}" for i in range(self.num_sessions)]
-        broker = LocalKafkaBroker(data_dir=self.work_dir / "kafka")
-        broker.start()
+        postgres = Postgres(self.work_dir / "pg" / "data") if self.pg_url is None else None
+        pg_url = postgres.start() if postgres is not None else self.pg_url
+        assert pg_url is not None
+        ports = {"port": self.broker_port, "controller_port": self.broker_port + 1} if self.broker_port else {}
+        broker = LocalKafkaBroker(data_dir=self.work_dir / "kafka", **ports)
         log_url = f"kafka://{broker.bootstrap_servers}"
-        env = {"AGENTLOG_NAMESPACE": namespace, "AGENTLOG_LEDGER_URL": self.pg_url, "AGENTLOG_LOG_LEVEL": "INFO"}
+        env = {"AGENTLOG_NAMESPACE": namespace, "AGENTLOG_LEDGER_URL": pg_url, "AGENTLOG_LOG_LEVEL": "INFO"}
         stack = Stack(log_url, self.work_dir / "stack", time_scale=self.time_scale, num_planners=2, extra_env=env)
         stack.engine_port = free_port()
-        operator = Operator(log_url, namespace, self.pg_url, stack, [])
-        injector = FaultInjector(schedule, stack, broker)
+        operator = Operator(log_url, namespace, pg_url, stack, [])
+        injector = FaultInjector(schedule, stack, broker, postgres)
         began = time.monotonic()
         supervision: _Supervision | None = None
         try:
+            broker.start()
             ensure_topics(log_url, namespace=namespace)
             stack.start()
             supervisor = Supervisor(stack, report=lambda line: None, backoff=lambda: Backoff(first_s=0.5, max_s=4.0))
@@ -433,6 +503,8 @@ class ChaosRun:
                 supervision.stop()
             stack.stop()
             broker.stop()
+            if postgres is not None:
+                postgres.stop()
         report.seconds = time.monotonic() - began
         return report
 

@@ -34,6 +34,12 @@ class OutRecord:
 class Subscription(ABC):
     """One member of a consumer group: owns some partitions of the subscribed topics."""
 
+    assignments = 0
+    """How many times the group has handed this member its partitions. A Kafka member that
+    the group dropped (its session timed out: a pause, a broker outage) and that rejoined
+    counts one more, even when it got the same partitions back: meanwhile another member
+    may have owned them (``EventConsumer`` tells its log, see ``SharedLog.partitions_moved``)."""
+
     @abstractmethod
     async def poll(self, timeout_s: float, max_records: int) -> list[RawRecord]:
         """Records after the current position of owned partitions, in offset order per partition.

@@ -70,6 +70,10 @@ class ConsumedLog(Protocol):
     async def dead_letter(self, record: RawRecord, error: RecordError, group: str) -> Position | None:
         """Set a bad record aside with the reason (None: this reader may not write the DLQ)."""
 
+    def partitions_moved(self, partitions: set[int]) -> None:
+        """The group rebalanced: another member may own, or have owned, these partitions since
+        this reader's process last looked (what it knows of their chains as a writer is stale)."""
+
 
 @dataclass(frozen=True)
 class ChainSeed:
@@ -159,6 +163,8 @@ class EventConsumer:
         self._subscription: Subscription | None = None
         self._verifier = ChainVerifier()
         self._next: dict[tuple[str, int], int] = {}  # next offset expected per partition
+        self._assigned: set[tuple[str, int]] = set()  # and the group's assignment count, at the last poll
+        self._assignments = 0
         self._uncommitted: dict[tuple[str, int], int] = {}
         self._start_at = start_at
         self._started: dict[tuple[str, int], _Started] = {}  # partitions read from a StartAt
@@ -201,6 +207,11 @@ class EventConsumer:
             raise RuntimeError("call await consumer.start() first")
         records = await self._subscription.poll(timeout_s, max_records)
         assigned = self._subscription.assignment()
+        if assigned != self._assigned or self._subscription.assignments != self._assignments:
+            # Every partition this member held or holds: a kept one too, since a member dropped
+            # from the group and back (same partitions, new assignment) may have had a successor.
+            self.log.partitions_moved({p for _, p in assigned | self._assigned})
+            self._assigned, self._assignments = assigned, self._subscription.assignments
         for tp in [tp for tp in self._next if tp not in assigned]:
             del self._next[tp]  # moved to another member; if it comes back, it is read afresh
             self._started.pop(tp, None)

@@ -394,6 +394,7 @@ class RdKafkaSubscription(KafkaGroupMember):
         consumer.unassign()
 
     def _on_assign(self, consumer: Any, assigned: list[Any]) -> None:
+        self.assignments += 1
         if self.from_beginning:
             # Partitions new to this member start at 0; partitions it kept continue where it was
             # (their committed offset: every poll's records are committed before the next rebalance

@@ -69,6 +69,9 @@ class SharedLog:
         self._chains: dict[tuple[str, str], _Chain] = {}
         self._loaded: set[tuple[str, int]] = set()
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # The backend's futures of batches sent and not yet acknowledged, per topic: a partition
+        # is re-read only once they settled, so that the scan sees every record sent before it.
+        self._in_flight: defaultdict[str, set[asyncio.Future[list[Position]]]] = defaultdict(set)
         # Dead letters go to a chain of this instance's own (see dead_letter()).
         self._dlq_session = f"dlq/{actor}/{uuid.uuid4().hex[:12]}"
         self.on_appended: AppendObserver | None = None
@@ -76,7 +79,13 @@ class SharedLog:
 
     async def start(self) -> SharedLog:
         await self.backend.start()
-        self.num_partitions = await self.backend.num_partitions()
+        try:
+            self.num_partitions = await self.backend.num_partitions()
+        except BaseException:
+            # Not started, so no one will close it (``async with`` calls no __aexit__ then),
+            # also when the caller gave up waiting (cancelled): what the backend opened is closed.
+            await self.backend.close()
+            raise
         return self
 
     async def close(self) -> None:
@@ -190,6 +199,10 @@ class SharedLog:
                     chain.known[event_id] = pending
                     results.append(pending)
                 produced = await self.backend.produce(topic.name, out) if out else None
+                if produced is not None:
+                    in_flight = self._in_flight[topic.name]
+                    in_flight.add(produced)
+                    produced.add_done_callback(in_flight.discard)
             except BaseException as e:
                 self._abandon(topic.name, out, batch, e)
                 raise
@@ -231,6 +244,10 @@ class SharedLog:
 
     async def _load_partition(self, topic: topic_table.Topic, partition: int) -> None:
         """Recover seq, prev_hash and known event ids of every session in one partition."""
+        if in_flight := self._in_flight[topic.name]:
+            # Sent before the partition was forgotten, maybe not acknowledged (so not read back)
+            # yet: a scan now would hand out their seqs again. Settled either way, they are.
+            await asyncio.wait(list(in_flight))
         verifier = ChainVerifier()
         num_records = 0
         async for record in self.backend.scan(topic.name, partition):
@@ -246,6 +263,20 @@ class SharedLog:
             chain.known[envelope.event_id] = record.position
         self._loaded.add((topic.name, partition))
         _log.debug("recovered %s[%d] from %d records", topic.name, partition, num_records)
+
+    def partitions_moved(self, partitions: set[int]) -> None:
+        """The consumer group moved partitions (``EventConsumer`` calls this at a rebalance).
+
+        Whoever owns a session's partition writes its chains; while this process did not
+        own it, another did, and appended. What this writer knew of those chains is stale:
+        appended to as it was, a chain would get a seq and a prev_hash twice (Kafka refuses
+        nothing; the Postgres and memory backends refuse it as a ``ConcurrentWriter``).
+        Forgotten, the next append to the partition re-reads it first. The DLQ chain is this
+        instance's alone: kept.
+        """
+        for topic in {name for name, _ in self._chains} | {name for name, _ in self._loaded}:
+            if topic != topic_table.AGENT_DLQ.name:
+                self._forget(topic, partitions)
 
     def _forget(self, topic: str, partitions: Iterable[int]) -> None:
         partitions = set(partitions)

@@ -267,10 +267,11 @@ class PlannerWorker(SessionWorker):
                 await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
         return True
 
-    async def _append_all(self, appends: list[Append]) -> None:
-        """Append what ``services.decide`` says carries a move out, in order."""
+    async def _append_all(self, appends: list[Append], *, for_session: str | None = None) -> None:
+        """Append what ``services.decide`` says carries a move out, in order (``for_session``:
+        the session whose move it is, when the appends are another's: a fork's start)."""
         for a in appends:
-            await self.append(a.session_id, a.body, kind=a.kind, key=a.key, cause=a.cause)
+            await self.append(a.session_id, a.body, kind=a.kind, key=a.key, cause=a.cause, for_session=for_session)
 
     # ------------------------------------------------- checkpoint, fork, merge
 
@@ -313,7 +314,9 @@ class PlannerWorker(SessionWorker):
     async def _create_fork(
         self, parent: SessionState, fork_id: str, checkpoint_id: CheckpointId, cut: dict[str, int], args_json: str
     ) -> None:
-        await self._append_all(fork_created(parent, fork_id, checkpoint_id, cut, args_json))
+        await self._append_all(
+            fork_created(parent, fork_id, checkpoint_id, cut, args_json), for_session=parent.session_id
+        )
         if self.log.partition_for(fork_id) in self._ready:
             self.kick(fork_id)  # our own appends are not read back as news: start it ourselves
         else:

@@ -31,7 +31,7 @@ from services.marks import IN_FLIGHT
 from services.session import SessionState, ToolStatus
 from workers.config import default_mark_every
 from workers.recovery import MarkRecovery, RecoveryCounts
-from workers.worker import SESSION_EVENT_IDS, Worker
+from workers.worker import SESSION_EVENT_IDS, PartitionMoved, Worker
 
 __all__ = ["RecoveryCounts", "SessionWorker", "event_id"]
 
@@ -71,6 +71,7 @@ class SessionWorker(MarkRecovery, Worker):
         self.sessions: dict[str, SessionState] = {}
         self._ready: set[int] = set()  # partitions caught up and acted on
         self._owned: set[int] = set()
+        self._moved_away: set[int] = set()  # owned once, then given up (and not taken back since)
         self._orphans: dict[str, list[LoggedEvent]] = {}  # events of sessions not (yet) requested
         self._low: dict[str, dict[str, int]] = {}
         self.num_events = 0
@@ -111,8 +112,26 @@ class SessionWorker(MarkRecovery, Worker):
             state = self.sessions[session_id] = SessionState(session_id)
         return state
 
-    async def append(self, session_id: str, body: Event, *, kind: str, key: str = "", cause: str | None = None) -> None:
-        """Append with a deterministic event id and fold the event into our state at once."""
+    async def append(
+        self,
+        session_id: str,
+        body: Event,
+        *,
+        kind: str,
+        key: str = "",
+        cause: str | None = None,
+        for_session: str | None = None,
+    ) -> None:
+        """Append with a deterministic event id and fold the event into our state at once.
+
+        ``for_session`` (default ``session_id``) is the session whose move this carries out
+        (a planner starts a fork for its parent). If that session's partition moved away from
+        this member while the move was under way (an engine call retried for seconds, a tool
+        run), ``PartitionMoved`` is raised and nothing is appended: the new owner writes the
+        session's chain now, and two writers of one chain give it a seq twice (on Kafka, which
+        refuses nothing, every reader then sets aside the rest of the chain).
+        """
+        self._check_owner(for_session or session_id)
         eid = event_id(session_id, kind, key)
         # The time is read from the log's clock here and stamped on the record, so that our
         # fold and every reader's fold of this event see the same occurred_at.
@@ -132,6 +151,15 @@ class SessionWorker(MarkRecovery, Worker):
                 hash=b"",
             )
         )
+
+    def _check_owner(self, session_id: str) -> None:
+        partition = self.log.partition_for(session_id)
+        moved = partition in self._moved_away
+        if not moved and partition in self._owned and self.consumer is not None:
+            # Given up inside the poll in flight (a rebalance), before handle() was told.
+            moved = all(p != partition for _, p in self.consumer.assignment())
+        if moved:
+            raise PartitionMoved(f"partition {partition} of session {session_id} moved to another member")
 
     async def dead_letter(self, event: LoggedEvent, error: RecordError) -> None:
         """Set aside an event that breaks the protocol: it goes to agent.dlq with the reason."""
@@ -187,7 +215,9 @@ class SessionWorker(MarkRecovery, Worker):
         new = sorted(owned - self._owned)
         if new:
             self.set_boundaries({topic: await self.log.end_offsets(topic) for topic in self.topics}, new)
+            self._moved_away -= set(new)
         for partition in sorted(self._owned - owned):
+            self._moved_away.add(partition)
             self._ready.discard(partition)
             self._forget_recovery(partition)
             self.forget_boundaries(partition)

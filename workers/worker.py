@@ -74,9 +74,15 @@ from log import LoggedEvent, SharedLog
 from log.consumer import EventConsumer
 from workers.metrics import WorkerMetrics
 
-__all__ = ["SESSION_EVENT_IDS", "EventIds", "Worker"]
+__all__ = ["SESSION_EVENT_IDS", "EventIds", "PartitionMoved", "Worker"]
 
 _log = logging.getLogger(__name__)
+
+
+class PartitionMoved(Exception):
+    """A role's work for a session was still under way when the session's partition moved to
+    another member of the group: its append is refused, the new owner carries the move out
+    (it replays the partition and resumes the session)."""
 
 
 class EventIds:
@@ -198,8 +204,11 @@ class Worker:
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            _log.error("%s task failed", self.role, exc_info=task.exception())
+        if not task.cancelled() and (error := task.exception()) is not None:
+            if isinstance(error, PartitionMoved):
+                _log.info("%s: %s", self.role, error)  # the new owner does it: not a failure
+            else:
+                _log.error("%s task failed", self.role, exc_info=error)
 
     def alongside(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run ``coro`` for as long as the loop runs (a second input, like the engine bridge's
