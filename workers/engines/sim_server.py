@@ -280,7 +280,7 @@ class SimServer:
             "model": self.engine_id,
             "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
             "usage": self._usage(result),
-            "agentlog": self._timings(result, queue_ms),
+            "agentlog": self._timings(result, queue_ms, priority),
         }
         self._record(request_id, response)
         return web.json_response(response)
@@ -322,7 +322,7 @@ class SimServer:
                     model=chat.model,
                     created=int(time.time()),
                     usage=self._usage(result),
-                    agentlog=self._timings(result, queue_ms),
+                    agentlog=self._timings(result, queue_ms, chat.priority),
                 )
                 self._record(request_id, completion)
         except ChatRequestError as e:
@@ -401,8 +401,9 @@ class SimServer:
         }
 
     @staticmethod
-    def _timings(result: SimResult, queue_ms: float) -> dict[str, Any]:
+    def _timings(result: SimResult, queue_ms: float, priority: int) -> dict[str, Any]:
         return {
+            "priority": priority,  # the priority it was served at (0: none given), in the record too
             "queue_ms": queue_ms,
             "prefill_ms": result.prefill_ms,
             "decode_ms": result.decode_ms,
