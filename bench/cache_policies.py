@@ -5,6 +5,7 @@ Run::
     python -m bench.cache_policies [--quick] [--engine batch|serial] [--csv FILE] [--png FILE]
                                    [--txt FILE] [--md FILE] [--seed S] [--workloads a,b]
                                    [--policies a,b] [--from-csv FILE] [--traces-dir DIR]
+                                   [--loads 0.5,0.8] [--capacities 0.25,0.5,0.75,1]
 
 (``--quick``: fewer sessions per workload, about 3 minutes on one core.) Results and
 the honest comparison: ``docs/cache-policies.md``.
@@ -77,6 +78,13 @@ Policies
   (keeping the largest call's headroom after pins), and at TTL ends and SWAP re-looks once the
   log's time passes them (the first event after them); a PREFETCH brings host blocks back
   and pins them with its TTL.
+- ``ours+plas``: ``ours`` plus program-level scheduling (``bench/ours.py``, ``OursPlas``): each
+  call is queued at the priority the planner sends (``services.scheduling``), computed from the
+  same log events (each session's recorded engine, queue and tool time, and whether the manager's
+  last decision still preserves its KV), and the engine models serve by it (``WaitQueue``: lowest
+  first; the batch model preempts the lowest-ranked running call, as vLLM's ``priority`` policy).
+  Every other policy is served first come first served, as before. Its goal table: load 0.8,
+  capacity <= 50%, against the best non-oracle baseline (``ours`` is not a baseline there).
 - ``oracle``: Belady: pin every waiting session; under pressure evict the one whose
   TRUE next call is farthest (swap if room, else release). The bound for
   whole-session eviction (not for every cost: it ignores sizes and transfer time).

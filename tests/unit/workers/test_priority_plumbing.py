@@ -3,10 +3,13 @@ serve by them, and which processes send them by default."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from log import open_log
+from schemas import events as ev
 from services.programs.base import Prompt, TokenRun
 from services.scheduling import SchedulingConfig
 from workers.config import scheduling_config
@@ -14,6 +17,7 @@ from workers.engines.chat import ChatEngine
 from workers.engines.http import HttpEngine
 from workers.engines.vllm.server import VllmServerConfig
 from workers.engines.vllm_http import VllmEngine
+from workers.gateway import GatewayWorker
 
 pytestmark = pytest.mark.unit
 
@@ -61,3 +65,23 @@ def test_scheduling_defaults_mode_by_mode(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("AGENTLOG_SCHEDULING", "sometimes")
     with pytest.raises(ValueError, match="AGENTLOG_SCHEDULING must be one of plas, off, not 'sometimes'"):
         scheduling_config(None, default="off")
+
+
+def gateway(scheduling: SchedulingConfig | None) -> GatewayWorker:
+    at = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    log = open_log(f"memory:gateway-{id(scheduling)}", actor="gateway", clock=lambda: at)
+    return GatewayWorker(log, engine_url="http://e", scheduling=scheduling)
+
+
+def test_the_gateway_gives_the_sessions_priority_in_place_of_the_clients() -> None:
+    body = {"model": "m", "messages": [], "priority": -(10**9)}  # a client asking to go first
+    worker = gateway(SchedulingConfig())
+    now_ms = round(datetime(2026, 1, 1, 12, 0, tzinfo=UTC).timestamp() * 1000)
+    assert worker._engine_body("s", body, 0)["priority"] == now_ms  # no history yet: its ready time
+    served = ev.GatewayLLMCallServed.model_construct(call_id="llm-0", queue_ms=100.0, prefill_ms=20.0, decode_ms=80.0)
+    worker.session("s").calls["llm-0"] = served
+    worker.session("s").gaps_ms["tool-1"] = 3_000.0
+    # anchored back by its recorded age (the call and the tool gap), later by the call's service
+    assert worker._engine_body("s", body, 2)["priority"] == now_ms - (200 + 3_000) + 100
+    # off: the body goes as the client sent it
+    assert gateway(None)._engine_body("s", body, 0)["priority"] == -(10**9)
