@@ -5,6 +5,7 @@ Run::
     python -m bench.cache_policies [--quick] [--engine batch|serial] [--csv FILE] [--png FILE]
                                    [--txt FILE] [--md FILE] [--seed S] [--workloads a,b]
                                    [--policies a,b] [--from-csv FILE] [--traces-dir DIR]
+                                   [--loads 0.5,0.8] [--capacities 0.25,0.5,0.75,1]
 
 (``--quick``: fewer sessions per workload, about 3 minutes on one core.) Results and
 the honest comparison: ``docs/cache-policies.md``.
@@ -77,6 +78,13 @@ Policies
   (keeping the largest call's headroom after pins), and at TTL ends and SWAP re-looks once the
   log's time passes them (the first event after them); a PREFETCH brings host blocks back
   and pins them with its TTL.
+- ``ours+plas``: ``ours`` plus program-level scheduling (``bench/ours.py``, ``OursPlas``): each
+  call is queued at the priority the planner sends (``services.scheduling``), computed from the
+  same log events (each session's recorded engine, queue and tool time, and whether the manager's
+  last decision still preserves its KV), and the engine models serve by it (``WaitQueue``: lowest
+  first; the batch model preempts the lowest-ranked running call, as vLLM's ``priority`` policy).
+  Every other policy is served first come first served, as before. Its goal table: load 0.8,
+  capacity <= 50%, against the best non-oracle baseline (``ours`` is not a baseline there).
 - ``oracle``: Belady: pin every waiting session; under pressure evict the one whose
   TRUE next call is farthest (swap if room, else release). The bound for
   whole-session eviction (not for every cost: it ignores sizes and transfer time).
@@ -148,7 +156,7 @@ from pathlib import Path
 from typing import TextIO
 
 from bench.baselines import make_baseline
-from bench.ours import Ours
+from bench.ours import Ours, OursPlas
 from services.engine.batching import MAX_NUM_SEQS, BatchSim
 from services.engine.cost import CostModel
 from services.engine.serial import Metrics, Sim, SimManager
@@ -166,12 +174,19 @@ LOADS = (0.5, 0.8)
 CAPACITIES = (0.25, 0.5, 0.75, 1.0)
 _MS = 1000.0
 _GB = 1e9
-POLICIES = ("vllm", "infercept", "continuum", "continuum-2s", "kvflow", "ours", "oracle")
+NOT_BASELINES = frozenset({"ours", "ours+plas", "oracle"})  # what "the best non-oracle baseline" excludes
+PLAS_LOAD, PLAS_MAX_CAPACITY = 0.8, 0.5  # issue 16's cells for program-level scheduling
+PLAS_SPEEDUP_GOAL, PLAS_WORKLOADS_GOAL, PLAS_SLACK = 1.25, 3, 0.01
+POLICIES = ("vllm", "infercept", "continuum", "continuum-2s", "kvflow", "ours", "ours+plas", "oracle")
 
 
 def make_manager(name: str) -> SimManager:
     """A fresh manager of the policy ``name`` (one of ``POLICIES``)."""
-    return Ours() if name == "ours" else make_baseline(name)
+    if name == "ours":
+        return Ours()
+    if name == "ours+plas":
+        return OursPlas()
+    return make_baseline(name)
 
 
 # ------------------------------------------------------------------ workloads and sweep
@@ -378,6 +393,7 @@ def sweep(
     only: str | None = None,
     engine: str = "batch",
     traces_dir: Path = TRACES_DIR,
+    capacities: tuple[float, ...] = CAPACITIES,
 ) -> list[Row]:
     cost = CostModel()
     rows: list[Row] = []
@@ -392,7 +408,7 @@ def sweep(
             probe = run_one(trace, "vllm", total, cost, engine)
             peak = probe.peak_live_blocks
             floor = floor_jct(trace, cost)
-            for fraction in CAPACITIES:
+            for fraction in capacities:
                 blocks = max(round(fraction * peak), probe.max_call_blocks + 1)
                 for policy in policies:
                     m = run_one(trace, policy, blocks, cost, engine)
@@ -420,6 +436,7 @@ def print_tables(rows: list[Row], out: TextIO | None = None) -> None:
                 file=out,
             )
     print_goals(rows, out)
+    print_plas_goals(rows, out)
 
 
 def _groups(rows: list[Row]) -> dict[tuple[str, float, float], dict[str, Row]]:
@@ -439,7 +456,7 @@ def print_goals(rows: list[Row], out: TextIO | None = None) -> None:
         if "ours" not in cell:
             continue
         ours = cell["ours"]
-        others = {p: r.mean_jct for p, r in cell.items() if p not in ("ours", "oracle")}
+        others = {p: r.mean_jct for p, r in cell.items() if p not in NOT_BASELINES}
         text = f"{workload:<18} load {load:.1f} cap {capacity:>4.0%}: ours {ours.mean_jct:8.2f}"
         if others:
             best = min(others, key=lambda p: (others[p], p))
@@ -466,7 +483,7 @@ def print_goals(rows: list[Row], out: TextIO | None = None) -> None:
     )
     for (workload, load, capacity), cell in _groups(rows).items():
         if workload == "infercept" and capacity == 0.5 and "ours" in cell:
-            others = {p: r.mean_jct for p, r in cell.items() if p not in ("ours", "oracle")}
+            others = {p: r.mean_jct for p, r in cell.items() if p not in NOT_BASELINES}
             if others:
                 best = min(others, key=lambda p: (others[p], p))
                 floor = cell["ours"].floor_jct
@@ -490,6 +507,55 @@ def print_goals(rows: list[Row], out: TextIO | None = None) -> None:
             f"worst {max(recompute_ratios):.3f}x, median {percentile(recompute_ratios, 0.5):.3f}x",
             file=out,
         )
+
+
+def plas_cells(rows: list[Row]) -> list[tuple[str, float, float, Row, Row, Row]]:
+    """Issue 16's cells (load 0.8, capacity at or below 50%) that ran ``ours+plas``: ``(workload, load,
+    capacity, ours+plas, best baseline by mean JCT, best baseline by p95 JCT)``, baselines being the
+    non-oracle policies other than ours."""
+    out = []
+    for (workload, load, capacity), cell in _groups(rows).items():
+        others = [r for p, r in cell.items() if p not in NOT_BASELINES]
+        if "ours+plas" not in cell or not others or load != PLAS_LOAD or capacity > PLAS_MAX_CAPACITY:
+            continue
+        best_mean = min(others, key=lambda r: (r.mean_jct, r.policy))
+        best_p95 = min(others, key=lambda r: (r.p95_jct, r.policy))
+        out.append((workload, load, capacity, cell["ours+plas"], best_mean, best_p95))
+    return out
+
+
+def print_plas_goals(rows: list[Row], out: TextIO | None = None) -> None:
+    """ours+plas against the best non-oracle baseline at load 0.8, capacity <= 50% (issue 16's goal:
+    mean JCT >= 1.25x better on >= 3 workloads, no cell worse than the best baseline by > 1%, mean or p95).
+    A workload counts when every one of its cells reaches 1.25x. Each line also says the most any policy
+    could gain there: the best baseline's mean JCT over the floor (no queueing, a perfect cache)."""
+    cells = plas_cells(rows)
+    if not cells:
+        return
+    out = sys.stdout if out is None else out
+    print("\n== ours+plas vs the best non-oracle baseline (load 0.8, capacity <= 50%) ==", file=out)
+    reached: dict[str, bool] = {}
+    worst = 0.0
+    for workload, load, capacity, plas, best_mean, best_p95 in cells:
+        mean_x = best_mean.mean_jct / plas.mean_jct
+        p95_x = best_p95.p95_jct / plas.p95_jct
+        worst = max(worst, plas.mean_jct / best_mean.mean_jct - 1, plas.p95_jct / best_p95.p95_jct - 1)
+        reached[workload] = reached.get(workload, True) and mean_x >= PLAS_SPEEDUP_GOAL
+        print(
+            f"{workload:<18} load {load:.1f} cap {capacity:>4.0%}: ours+plas mean {plas.mean_jct:8.2f} p95 "
+            f"{plas.p95_jct:8.2f}  best mean {best_mean.policy:<12} {best_mean.mean_jct:8.2f} ({mean_x:.3f}x)  "
+            f"best p95 {best_p95.policy:<12} {best_p95.p95_jct:8.2f} ({p95_x:.3f}x)  "
+            f"most any policy can gain (best mean / floor): {best_mean.mean_jct / plas.floor_jct:.3f}x",
+            file=out,
+        )
+    wins = sum(reached.values())
+    met = wins >= PLAS_WORKLOADS_GOAL and worst <= PLAS_SLACK
+    print(
+        f"workloads with every cell >= {PLAS_SPEEDUP_GOAL}x: {wins} of {len(reached)} (goal {PLAS_WORKLOADS_GOAL}); "
+        f"worst cell vs the best baseline (mean or p95): {worst:+.1%} (goal <= +{PLAS_SLACK:.0%}); "
+        f"goal {'met' if met else 'NOT met'}",
+        file=out,
+    )
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
@@ -524,7 +590,7 @@ def goals_markdown(rows: list[Row]) -> list[str]:
         if "ours" not in cell:
             continue
         ours = cell["ours"]
-        others = {p: r.mean_jct for p, r in cell.items() if p not in ("ours", "oracle")}
+        others = {p: r.mean_jct for p, r in cell.items() if p not in NOT_BASELINES}
         best = min(others, key=lambda p: (others[p], p)) if others else ""
         vs_best = f"{others[best] / ours.mean_jct:.3f}x" if others else ""
         vs_vllm = f"{cell['vllm'].mean_jct / ours.mean_jct:.3f}x" if "vllm" in cell else ""
@@ -538,11 +604,38 @@ def goals_markdown(rows: list[Row]) -> list[str]:
     return lines
 
 
+def plas_markdown(rows: list[Row]) -> list[str]:
+    """Issue 16's cells: ours+plas against the best non-oracle baseline (mean and p95 JCT), and the
+    most any policy could gain there (the best baseline over the floor)."""
+    cells = plas_cells(rows)
+    if not cells:
+        return []
+    lines = [
+        "| workload | load | capacity | ours+plas mean JCT (s) | best baseline (mean) | its mean JCT (s) | speedup "
+        "| ours+plas p95 JCT (s) | best baseline (p95) | its p95 JCT (s) | p95 ratio | ours mean JCT (s) "
+        "| bound: best mean / floor |",
+        "|---" * 13 + "|",
+    ]
+    for workload, load, capacity, plas, best_mean, best_p95 in cells:
+        ours = next((r for r in rows if (r.workload, r.load, r.capacity, r.policy) ==
+                     (workload, load, capacity, "ours")), None)  # fmt: skip
+        lines.append(
+            f"| {workload} | {load:g} | {capacity:.0%} | {plas.mean_jct:.2f} | {best_mean.policy} "
+            f"| {best_mean.mean_jct:.2f} | {best_mean.mean_jct / plas.mean_jct:.3f}x | {plas.p95_jct:.1f} "
+            f"| {best_p95.policy} | {best_p95.p95_jct:.1f} | {best_p95.p95_jct / plas.p95_jct:.3f}x "
+            f"| {'' if ours is None else f'{ours.mean_jct:.2f}'} | {best_mean.mean_jct / plas.floor_jct:.3f}x |"
+        )
+    return lines
+
+
 def write_markdown(rows: list[Row], path: Path) -> None:
     """Ours against the best baseline per cell, then per workload, mean and p95 JCT (s), recomputed
     prompt tokens and preemptions per policy as Markdown tables."""
     policies = list(dict.fromkeys(r.policy for r in rows))
     lines: list[str] = ["#### Ours against the best non-oracle baseline, per cell", "", *goals_markdown(rows), ""]
+    if plas := plas_markdown(rows):
+        lines = ["#### ours+plas against the best non-oracle baseline (load 0.8, capacity <= 50%)", "", *plas, "",
+                 *lines]  # fmt: skip
     for workload in dict.fromkeys(r.workload for r in rows):
         mine = [r for r in rows if r.workload == workload]
         lines += [f"#### {workload} (mean JCT without queueing or reloads: {mine[0].floor_jct:.2f} s)", ""]
@@ -597,6 +690,17 @@ def write_png(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
+def _fractions(text: str) -> tuple[float, ...]:
+    """``--loads`` / ``--capacities``: comma-separated numbers in (0, 1]."""
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values or not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be in (0, 1]")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sessions (about 2 minutes)")
@@ -606,6 +710,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--txt", type=Path, help="also write the tables to this file")
     parser.add_argument("--md", type=Path, help="write Markdown tables (mean/p95 JCT, recomputed tokens)")
     parser.add_argument("--workloads", help="comma-separated subset of the workloads (default: all)")
+    parser.add_argument("--loads", type=_fractions, default=LOADS, help="comma-separated offered loads (0.5,0.8)")
+    parser.add_argument(
+        "--capacities", type=_fractions, default=CAPACITIES, help="comma-separated capacities (0.25,0.5,0.75,1)"
+    )
     parser.add_argument(
         "--traces-dir",
         type=Path,
@@ -632,7 +740,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in read_csv(args.from_csv) if r.policy in policies]
     else:
         rows = sweep(
-            args.quick, args.seed, policies, only=args.workloads, engine=args.engine, traces_dir=args.traces_dir
+            args.quick,
+            args.seed,
+            policies,
+            loads=args.loads,
+            only=args.workloads,
+            engine=args.engine,
+            traces_dir=args.traces_dir,
+            capacities=args.capacities,
         )
     print_tables(rows)
     if args.txt:

@@ -29,6 +29,7 @@ passes them, i.e. at the first event after them, as the worker does.
 from __future__ import annotations
 
 from schemas.events import (
+    CacheDecisionMade,
     EffectClass,
     KVCacheHit,
     KVTier,
@@ -44,10 +45,11 @@ from schemas.events import (
 from services.cache import CachePolicy
 from services.cache.manager import CacheManager, ManagerConfig
 from services.engine.serial import Sess, SimManager
+from services.scheduling import ProgramProgress, SchedulingConfig, call_priority, preserved_until
 from workers.engine_bridge.sim import decode_event
 from workers.engines.sim_server import kv_event_json
 
-__all__ = ["ENGINE_ID", "Ours"]
+__all__ = ["ENGINE_ID", "Ours", "OursPlas"]
 
 ENGINE_ID = "sim-0"
 _MS = 1000.0
@@ -62,6 +64,9 @@ class Ours(SimManager):
         self._manager: CacheManager | None = None
         self.num_events = 0  # events folded
         self.num_decisions = 0  # decisions carried out (refused ones included: ``Metrics.refused``)
+
+    def logged(self, sid: SessionId, body: Model, now: float) -> None:
+        """An event the log now holds (folded or decided): what a reader of the log sees."""
 
     @property
     def manager(self) -> CacheManager:
@@ -80,9 +85,12 @@ class Ours(SimManager):
 
     def _fold(self, sid: SessionId, body: Model, now: float) -> None:
         self.num_events += 1
+        self.logged(sid, body, now)
         for decided in self.manager.apply(f"e{self.num_events}", sid, body, now):
             self.num_decisions += 1
-            self.sim.carry_out(decided.to_event(ENGINE_ID), decided.session_id, now)
+            decision = decided.to_event(ENGINE_ID)
+            self.logged(decided.session_id, decision, now)
+            self.sim.carry_out(decision, decided.session_id, now)
 
     def _kv_events(self, now: float) -> None:
         """The engine's KV events since the last look, as the engine bridge appends them."""
@@ -172,3 +180,36 @@ class Ours(SimManager):
     def make_room(self, needed: int, now: float, requester: Sess) -> bool:
         self._kv_events(now)
         return self.sim.control.release_lowest_pin(requester.sid) is not None
+
+
+class OursPlas(Ours):
+    """``ours`` plus program-level scheduling (``services.scheduling``): every call is queued at the
+    priority the planner would send, computed from the same log: its session's progress (the
+    ``LLMCallCompleted`` records' engine and queueing time and the ``ToolCallCompleted`` durations;
+    trace sessions have no parallel branches, so the critical path is the session) and whether the
+    cache manager's last decision for it still preserves its KV (``CacheDecisionMade``). The engine
+    model serves by priority."""
+
+    name = "ours+plas"
+
+    def __init__(self, config: SchedulingConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or SchedulingConfig()
+        self.progress: dict[SessionId, ProgramProgress] = {}
+        self.preserved: dict[SessionId, float] = {}  # session -> until when its KV is preserved
+
+    def logged(self, sid: SessionId, body: Model, now: float) -> None:
+        if isinstance(body, LLMCallCompleted):
+            self.progress[sid] = self.progress.get(sid, ProgramProgress()).after_call(body)
+        elif isinstance(body, ToolCallCompleted):
+            self.progress[sid] = self.progress.get(sid, ProgramProgress()).after_tool(body.duration_ms)
+        elif isinstance(body, CacheDecisionMade):
+            until = preserved_until(body, now)
+            if until is None:
+                self.preserved.pop(sid, None)
+            else:
+                self.preserved[sid] = until
+
+    def priority(self, s: Sess, now: float) -> float | None:
+        warm = self.preserved.get(s.sid, -1.0) > now
+        return call_priority(now, self.progress.get(s.sid, ProgramProgress()), warm=warm, config=self.config)

@@ -15,6 +15,7 @@ import asyncpg
 
 from log import SharedLog
 from log.snapshots import SnapshotStore
+from services.scheduling import SchedulingConfig
 
 __all__ = ["add_snapshot_arguments", "default_mark_every", "log_namespace", "open_snapshot_store", "snapshot_url"]
 
@@ -66,3 +67,18 @@ async def open_snapshot_store(log: SharedLog, args: argparse.Namespace) -> Snaps
     except (OSError, asyncpg.PostgresError) as e:
         _log.warning("no snapshot store (%s): partitions are replayed from offset 0", e)
         return None
+
+
+SCHEDULING_MODES = ("plas", "off")
+"""``--scheduling`` of the planner and the gateway: plas sends each engine request its program-level
+priority (``services.scheduling``), off sends none."""
+
+
+def scheduling_config(mode: str | None, *, default: str) -> SchedulingConfig | None:
+    """The policy for ``--scheduling MODE`` (None: ``AGENTLOG_SCHEDULING``, else ``default``); None
+    when off. vLLM refuses a non-zero priority unless its server runs ``--scheduling-policy
+    priority``, which is why a process that may front vLLM defaults to off."""
+    mode = mode or os.environ.get("AGENTLOG_SCHEDULING") or default
+    if mode not in SCHEDULING_MODES:
+        raise ValueError(f"AGENTLOG_SCHEDULING must be one of {', '.join(SCHEDULING_MODES)}, not {mode!r}")
+    return SchedulingConfig() if mode == "plas" else None

@@ -81,7 +81,9 @@ from services.gateway import (
     result_json,
     tool_calls_of,
 )
+from services.scheduling import ProgramProgress, SchedulingConfig, call_priority
 from services.session import GATEWAY_PROGRAM, step_of, tool_call_id
+from workers.config import SCHEDULING_MODES, scheduling_config
 from workers.worker import EventIds, Worker
 
 __all__ = ["GATEWAY_EVENT_IDS", "GatewayWorker", "SESSION_HEADER"]
@@ -123,6 +125,8 @@ class GatewaySession:
     by_key: dict[str, str] = field(default_factory=dict)
     by_digest: dict[str, str] = field(default_factory=dict)
     reported: set[str] = field(default_factory=set)
+    gaps_ms: dict[str, float] = field(default_factory=dict)
+    """Each reported tool call's gap (release to report): the program's tool time."""
     released_at: dict[str, datetime] = field(default_factory=dict)
     """When each tool call went out to the client (this process's memory; after a restart the
     time its answer was recorded stands in)."""
@@ -179,6 +183,7 @@ class GatewayWorker(Worker):
         port: int = 8200,
         max_requests_per_minute: int = 600,
         idle_timeout_s: float = 3600.0,
+        scheduling: SchedulingConfig | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(log, **kwargs)
@@ -189,6 +194,7 @@ class GatewayWorker(Worker):
         self.host, self.port = host, port
         self.limiter = RateLimiter(max_requests_per_minute)
         self.idle_timeout_s = idle_timeout_s
+        self.scheduling = scheduling  # None: the engine request keeps whatever priority the client sent
         self.sessions: dict[str, GatewaySession] = {}
         self.verdicts: dict[tuple[str, str], Verdict] = {}
         self.foreign: set[str] = set()
@@ -233,6 +239,14 @@ class GatewayWorker(Worker):
             default=float(env("AGENTLOG_GATEWAY_IDLE_TIMEOUT_S", "3600")),
             help="end a session after this many seconds without a request (0: never)",
         )
+        parser.add_argument(
+            "--scheduling",
+            choices=SCHEDULING_MODES,
+            default=None,
+            help="plas: give each engine request its session's program-level priority, replacing the "
+            "client's (services.scheduling); off: pass the client's (default: AGENTLOG_SCHEDULING, else off: "
+            "vLLM refuses a priority unless it runs --scheduling-policy priority)",
+        )
 
     @classmethod
     async def create(cls, log: SharedLog, args: argparse.Namespace) -> GatewayWorker:
@@ -247,6 +261,7 @@ class GatewayWorker(Worker):
             port=args.port,
             max_requests_per_minute=args.max_requests_per_minute,
             idle_timeout_s=args.idle_timeout_s,
+            scheduling=scheduling_config(args.scheduling, default="off"),
             group=args.group,
             instance_id=args.instance_id,
         )
@@ -306,6 +321,7 @@ class GatewayWorker(Worker):
                 self.session(session_id).record(body, at)
             case ev.GatewayToolResultReported():
                 self.session(session_id).reported.add(body.call_id)
+                self.session(session_id).gaps_ms.setdefault(body.call_id, body.gap_ms)
                 self.session(session_id).seen(at.timestamp())
             case ev.GatewaySessionEnded():
                 self.session(session_id).ended = self.session(session_id).ended or body
@@ -538,7 +554,23 @@ class GatewayWorker(Worker):
 
     def _engine_body(self, session_id: str, body: dict[str, Any], step: int) -> dict[str, Any]:
         call_id = llm_step_id(step)
-        return {**body, "session_id": session_id, "request_id": f"{session_id}/{call_id}"}
+        payload = {**body, "session_id": session_id, "request_id": f"{session_id}/{call_id}"}
+        if self.scheduling is not None:
+            payload["priority"] = self.priority(session_id)
+        return payload
+
+    def priority(self, session_id: str) -> int:
+        """The program-level priority of the session's next call (``services.scheduling``): now on
+        the log's clock, placed by its recorded calls and tool gaps (an external agent is one
+        thread as the gateway sees it)."""
+        assert self.scheduling is not None
+        progress = ProgramProgress()
+        session = self.session(session_id)
+        for served in session.calls.values():
+            progress = progress.after_call(served)
+        for gap_ms in session.gaps_ms.values():
+            progress = progress.after_tool(gap_ms)
+        return call_priority(self.log.clock().timestamp(), progress, config=self.scheduling)
 
     async def _engine_json(self, session_id: str, body: dict[str, Any], step: int) -> dict[str, Any]:
         assert self._http is not None

@@ -29,8 +29,14 @@ not logged yet), ``planner.after_llm_completed``, ``planner.after_proposed``,
 restore not applied yet), ``planner.before_restore``, ``planner.before_merge``
 (branches read, the merge not appended yet), ``planner.after_branches``.
 
+**Program-level scheduling.** With ``--scheduling plas`` every engine request carries the call's
+``priority`` (``services.scheduling``: its program's attained service on the critical path, from
+the folded log, as a virtual start time on the log's clock; lower is served first), which the
+simulated engine and vLLM (``--scheduling-policy priority``) serve by. Off by default on vLLM and
+OpenAI endpoints: vLLM refuses a non-zero priority unless its server runs with that policy.
+
 Run: ``python -m workers.planner [--log-url URL] --engine-url http://127.0.0.1:8100
-[--checkpoint-every N] [--snapshot-url postgresql://...]``.
+[--checkpoint-every N] [--snapshot-url postgresql://...] [--scheduling plas|off]``.
 """
 
 from __future__ import annotations
@@ -85,8 +91,9 @@ from services.programs import Program
 from services.programs.base import ModelToolCall
 from services.registry import Registry
 from services.replay import cut_events
+from services.scheduling import SchedulingConfig, call_priority, program_progress
 from services.session import GATEWAY_PROGRAM, SessionState
-from workers.config import log_namespace, snapshot_url
+from workers.config import SCHEDULING_MODES, log_namespace, scheduling_config, snapshot_url
 from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable
 from workers.engines.factory import ENGINE_KINDS, create_engine
@@ -118,6 +125,7 @@ class PlannerWorker(SessionWorker):
         engine_patience_s: float = 120.0,
         checkpoint_every: int = 0,
         snapshots: SnapshotStore | None = None,
+        scheduling: SchedulingConfig | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(log, **kwargs)
@@ -128,6 +136,7 @@ class PlannerWorker(SessionWorker):
         self.engine_patience_s = engine_patience_s
         self.checkpoint_every = checkpoint_every
         self.snapshots = snapshots
+        self.scheduling = scheduling  # None: engine requests carry no priority
         self._driving: dict[str, bool] = {}  # session -> "look again when done"
         self._waiting_on: dict[str, set[str]] = {}  # branch -> sessions whose merge waits for it
         self._forked: set[str] = set()  # fork requests carried out by this process
@@ -160,6 +169,13 @@ class PlannerWorker(SessionWorker):
             "AGENTLOG_LEDGER_URL, AGENTLOG_PG_URL, or the log itself when it is Postgres; none: checkpoints "
             "without snapshots, partitions replayed from offset 0)",
         )
+        parser.add_argument(
+            "--scheduling",
+            choices=SCHEDULING_MODES,
+            default=None,
+            help="plas: send each call's program-level priority (services.scheduling); off: none (default: "
+            "AGENTLOG_SCHEDULING, else plas on the sim engine and off on vllm/openai)",
+        )
 
     @classmethod
     async def create(cls, log: SharedLog, args: argparse.Namespace) -> PlannerWorker:
@@ -175,6 +191,7 @@ class PlannerWorker(SessionWorker):
             checkpoint_every=args.checkpoint_every,
             snapshots=snapshots,
             registry=args.registry,
+            scheduling=scheduling_config(args.scheduling, default="plas" if args.engine_kind == "sim" else "off"),
         )
 
     async def close(self) -> None:
@@ -358,7 +375,7 @@ class PlannerWorker(SessionWorker):
             await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
             crash_point("planner.after_llm_started")
         try:
-            completion = await self._complete(sid, move)
+            completion = await self._complete(sid, move, self.priority(state))
         except EngineError as e:
             await self._append_all([engine_failed(state, str(e))])
             return
@@ -380,8 +397,17 @@ class PlannerWorker(SessionWorker):
         await self._append_all([llm_completed(state, move, completed)])
         crash_point("planner.after_llm_completed")
 
-    async def _complete(self, session_id: str, move: CallEngine) -> Any:
-        """Ask the engine, retrying while it is unreachable (it may be restarting)."""
+    def priority(self, state: SessionState) -> int | None:
+        """The priority of the session's next call: now on the log's clock, placed by its program's
+        progress on the critical path (its branches: the sessions this planner holds)."""
+        if self.scheduling is None:
+            return None
+        now = self.log.clock().timestamp()
+        return call_priority(now, program_progress(state, self.sessions), config=self.scheduling)
+
+    async def _complete(self, session_id: str, move: CallEngine, priority: int | None = None) -> Any:
+        """Ask the engine, retrying while it is unreachable (it may be restarting); every retry
+        carries the same priority (the call's, fixed when it was first asked)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.engine_patience_s
         attempt = 0
@@ -395,6 +421,7 @@ class PlannerWorker(SessionWorker):
                     messages=move.messages,
                     tools=move.tools,
                     tool_choice=move.tool_choice,
+                    priority=priority,
                 )
             except EngineUnavailable as e:
                 if loop.time() >= deadline:

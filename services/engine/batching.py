@@ -58,7 +58,9 @@ class BatchSim(Sim):
     asked, and if it frees nothing the newest running call is preempted (its blocks freed, cached
     ones kept in the LRU; it goes back to the head of the queue and recomputes its prompt and what
     it generated, vLLM's default ``recompute`` preemption). Then waiting calls are admitted in FIFO
-    order while the call's whole reservation (prompt plus every decode slot, less GPU prefix hits)
+    order (by priority, lowest first, when the manager gives priorities, as vLLM's ``priority``
+    scheduling policy: then the running call preempted is the lowest-ranked one) while the call's
+    whole reservation (prompt plus every decode slot, less GPU prefix hits)
     fits in the free blocks (``make_room`` is asked when it does not; if it frees nothing the queue
     waits: head-of-line, as vLLM's FCFS) and fewer than ``max_num_seqs`` calls run. A call's blocks
     are allocated as it grows, one per ``block_size`` tokens, so preemption can still happen.
@@ -200,7 +202,13 @@ class BatchSim(Sim):
                 continue
             if self.manager.make_room(1, t, call.sess):
                 continue
-            self._preempt(max(self.running.values(), key=lambda c: c.seq), t)
+            self._preempt(max(self.running.values(), key=self._preempt_order), t)
+
+    def _preempt_order(self, call: Call) -> tuple[float, int]:
+        """Which running call goes first when one must be preempted (the largest): the newest under
+        FCFS (vLLM's), the lowest-ranked (highest priority value), then the newest, with priorities
+        (vLLM's priority policy)."""
+        return (self.queue.priority.get(call.sess.sid, 0.0), call.seq)
 
     def _grow_ahead(self) -> int:
         """Allocate the blocks running calls need within the next ``block_size`` steps, soonest

@@ -36,6 +36,7 @@ from typing import Any
 import jsonschema
 
 from services.programs.sdk import render_messages
+from services.scheduling import request_priority
 
 __all__ = [
     "CHAT_ROLES",
@@ -88,6 +89,8 @@ class ChatRequest:
     include_usage: bool
     request_id: str | None
     session_id: str | None
+    priority: int = 0
+    """vLLM's ``priority``: lower is served first (``services.scheduling``); 0 when absent."""
 
     def prompt_text(self) -> str:
         """The text whose tokens the engine counts and caches (the SDK renders messages the same way)."""
@@ -214,6 +217,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise ChatRequestError("stream_options must be an object", param="stream_options")
     if body.get("n", 1) != 1:
         raise ChatRequestError("the simulated engine answers n=1 only", param="n")
+    try:
+        priority = request_priority(body.get("priority"))
+    except ValueError as e:
+        raise ChatRequestError(str(e), param="priority") from None
     return ChatRequest(
         model=model,
         messages=checked,
@@ -225,6 +232,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         include_usage=bool(options.get("include_usage")),
         request_id=_optional_str(body, "request_id"),
         session_id=_optional_str(body, "session_id"),
+        priority=priority,
     )
 
 

@@ -3,7 +3,8 @@ one LLM call at a time, with a cache manager's hooks.
 
 Simulated time, no sleeps, no I/O: time is the event heap's. The engine serves the calls
 of a ``Trace`` against a ``PagedKVCache`` (GPU tier plus a host tier) charged by a
-``CostModel``, from a FIFO queue, one call at a time (``SimEngine``'s model). A session's
+``CostModel``, from a FIFO queue (lowest priority first when the manager gives priorities:
+``SimManager.priority``), one call at a time (``SimEngine``'s model). A session's
 context is synthetic token ids (``TokenRun``: shared system prompts share ids, so they
 share blocks); each turn appends its prompt, the call generates its output, the tool (its
 trace duration) runs, and its result is appended before the next call. A call that does
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from dataclasses import dataclass, field
 
 from schemas.events import CacheAction, CacheDecisionMade, SessionId
@@ -37,6 +37,7 @@ from services.engine.blocks import BlockHash, hash_blocks
 from services.engine.control import CacheControl
 from services.engine.cost import CostModel
 from services.engine.kv_cache import KVCacheError, OutOfBlocks, PagedKVCache
+from services.engine.waiting import WaitQueue
 from services.programs.base import TokenRun
 from services.traces.model import Trace, TraceSession
 
@@ -122,6 +123,11 @@ class SimManager:
         """A call needs ``needed`` more GPU blocks than are free: True if something was freed."""
         return False
 
+    def priority(self, s: Sess, now: float) -> float | None:
+        """The priority of the session's call that is ready now (lower is served first, as
+        ``services.scheduling``'s), or None: first come first served (the default)."""
+        return None
+
 
 class Sim:
     """The serial engine model: one call at a time from a FIFO queue (``SimEngine``'s rule), one run
@@ -135,7 +141,7 @@ class Sim:
         self.manager = manager
         self.latency = ToolLatencyModel(prior_mean_s=5.0)
         self.sessions = {SessionId(s.session_id): Sess(s, SessionId(s.session_id)) for s in trace}
-        self.queue: deque[SessionId] = deque()
+        self.queue = WaitQueue()  # FCFS, or lowest priority first when the manager gives priorities
         self.busy_until = 0.0
         self.queue_delay_s = 0.0
         self.m = Metrics()
@@ -269,7 +275,7 @@ class Sim:
             s.append(TokenRun(prefix.context_id, prefix.tokens), self.bs)
             own -= prefix.tokens
         s.append(TokenRun(f"{s.sid}:p{s.turn}", own), self.bs)
-        self.queue.append(s.sid)
+        self.queue.append(s.sid, self.manager.priority(s, t))
         self.manager.on_ready(s, t)
 
     def _start(self, s: Sess, t: float) -> None:

@@ -51,8 +51,12 @@ class Engine(Protocol):
         messages: Sequence[Mapping[str, Any]] = (),
         tools: Sequence[Mapping[str, Any]] = (),
         tool_choice: str | Mapping[str, Any] | None = None,
+        priority: int | None = None,
     ) -> Completion:
         """Run one LLM call. ``request_id`` is the same on every retry of the same call.
+
+        ``priority``: the call's program-level priority (``services.scheduling``; lower is served
+        first, vLLM's ``priority`` field); None sends none (the engine's default, 0).
 
         ``messages``, ``tools`` and ``tool_choice`` (OpenAI's, from an SDK program) are what a chat
         engine sends;

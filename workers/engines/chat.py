@@ -5,7 +5,8 @@ OpenAI server, or any OpenAI-compatible endpoint.
 (when the program gives them) and ``max_completion_tokens``; the request id and the session id travel as the
 headers ``X-Request-Id`` and ``X-Agentlog-Session`` and, unless ``ids_in_body`` is off (an
 endpoint that refuses unknown fields, as OpenAI's own does), as the body fields
-``request_id`` and ``session_id`` (the simulated engine and vLLM read them there). An API key
+``request_id`` and ``session_id`` (the simulated engine and vLLM read them there), and the
+call's program-level ``priority`` when it has one (vLLM's field: ``services.scheduling``). An API key
 goes in ``Authorization: Bearer``; it is never logged nor put in an error.
 
 An SDK program's ``ctx.llm(messages, tools)`` is sent as it is; any other text prompt (the
@@ -62,6 +63,7 @@ class ChatEngine(HttpEngine):
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]],
         tool_choice: str | Mapping[str, Any] | None = None,
+        priority: int | None = None,
     ) -> dict[str, Any]:
         if not messages:
             if prompt.text is None:
@@ -84,6 +86,8 @@ class ChatEngine(HttpEngine):
         if self.ids_in_body:
             payload["request_id"] = request_id
             payload["session_id"] = session_id
+            if priority is not None:  # vLLM's field; an endpoint that refuses unknown fields gets none
+                payload["priority"] = priority
         return payload
 
     def headers(self, *, session_id: str, request_id: str) -> dict[str, str]:
@@ -114,6 +118,7 @@ class ChatEngine(HttpEngine):
         messages: Sequence[Mapping[str, Any]] = (),
         tools: Sequence[Mapping[str, Any]] = (),
         tool_choice: str | Mapping[str, Any] | None = None,
+        priority: int | None = None,
     ) -> Completion:
         payload = self.chat_payload(
             session_id=session_id,
@@ -123,6 +128,7 @@ class ChatEngine(HttpEngine):
             messages=messages,
             tools=tools,
             tool_choice=tool_choice,
+            priority=priority,
         )
         began = time.monotonic()
         body = await self.post(

@@ -2,7 +2,8 @@
 
 The request is ``POST {base_url}/v1/completions`` with the usual fields
 (``model``, ``prompt``, ``max_tokens``) plus ``request_id`` and ``session_id``
-(and, for token-run prompts, ``prompt_runs``), and the answer the usual
+(and, for token-run prompts, ``prompt_runs``; with a program-level priority, vLLM's
+``priority``: ``services.scheduling``), and the answer the usual
 ``choices[0].text`` and ``usage`` (``prompt_tokens_details.cached_tokens``).
 agentlog's simulated engine serves the same API (``workers.engines.sim_server``).
 """
@@ -34,7 +35,8 @@ class HttpEngine:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         return self._session
 
-    def payload(self, *, session_id: str, request_id: str, prompt: Prompt, max_output_tokens: int) -> dict[str, Any]:
+    def payload(self, *, session_id: str, request_id: str, prompt: Prompt, max_output_tokens: int,
+                priority: int | None = None) -> dict[str, Any]:  # fmt: skip
         """The request body (subclasses add engine-specific fields)."""
         payload: dict[str, Any] = {
             "model": self.model,
@@ -42,6 +44,8 @@ class HttpEngine:
             "request_id": request_id,
             "session_id": session_id,
         }
+        if priority is not None:
+            payload["priority"] = priority
         if prompt.text is not None:
             payload["prompt"] = prompt.text
         else:
@@ -74,11 +78,16 @@ class HttpEngine:
         messages: Sequence[Mapping[str, Any]] = (),
         tools: Sequence[Mapping[str, Any]] = (),
         tool_choice: str | Mapping[str, Any] | None = None,
+        priority: int | None = None,
     ) -> Completion:
         """A completion of ``prompt`` (``messages``, ``tools`` and ``tool_choice`` are for chat engines:
         the prompt is their rendering)."""
         payload = self.payload(
-            session_id=session_id, request_id=request_id, prompt=prompt, max_output_tokens=max_output_tokens
+            session_id=session_id,
+            request_id=request_id,
+            prompt=prompt,
+            max_output_tokens=max_output_tokens,
+            priority=priority,
         )
         began = time.monotonic()
         body = await self.post("/v1/completions", payload, request_id=request_id)

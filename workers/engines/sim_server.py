@@ -46,6 +46,12 @@ vLLM's continuous batching; requests queue and ``queue_ms`` says for how
 long). Each request takes the simulated prefill + decode time, multiplied by
 ``--time-scale``, in real time.
 
+**Priorities.** A request may carry vLLM's ``priority`` (an integer, lower is served first,
+default 0; the planner's and the gateway's are ``services.scheduling``'s program-level
+priorities): waiting requests are served lowest first, ties (and requests without one) in arrival
+order, as vLLM's ``--scheduling-policy priority``. A control command waits like a request of
+priority 0. A priority that is not an integer is refused with 400.
+
 **Repeated request ids.** A request id the engine has already served is
 answered from its record (``replayed: true``) without running again, and the
 record is a file, so this survives an engine restart. The planner retries an
@@ -61,6 +67,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import heapq
 import hmac
 import json
 import logging
@@ -70,7 +78,7 @@ import time
 import uuid
 import zlib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +98,7 @@ from services.engine.cost import CostModel
 from services.engine.kv_cache import KVCacheError, KVEvent, OutOfBlocks, PagedKVCache
 from services.engine.sim import SimEngine, SimResult
 from services.programs.base import Prompt, TokenRun, output_run
+from services.scheduling import request_priority
 from workers.crash import crash_point
 
 _log = logging.getLogger(__name__)
@@ -140,6 +149,51 @@ def _prompt_runs(value: object, capacity: int) -> tuple[TokenRun, ...]:
     return tuple(runs)
 
 
+class PriorityGate:
+    """The engine's one slot: whoever holds it runs; waiters enter lowest priority first, ties in
+    arrival order (so FIFO when nobody gives a priority, which is what ``asyncio.Lock`` did).
+
+    A heap of futures instead of a lock: a lock wakes waiters in arrival order only. A waiter that
+    is cancelled is skipped when its turn comes; one cancelled just after being handed the slot
+    passes it on."""
+
+    def __init__(self) -> None:
+        self._held = False
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = 0
+
+    @contextlib.asynccontextmanager
+    async def hold(self, priority: int = 0) -> AsyncIterator[None]:
+        if self._held or self._waiters:
+            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiters, (priority, self._seq, turn))
+            self._seq += 1
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():
+                    self._pass_on()  # handed the slot as it was cancelled: give it to the next
+                raise
+        else:
+            self._held = True
+        try:
+            yield
+        finally:
+            self._pass_on()
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for _, _, turn in self._waiters if not turn.done())
+
+    def _pass_on(self) -> None:
+        while self._waiters:
+            _, _, turn = heapq.heappop(self._waiters)
+            if not turn.done():
+                turn.set_result(None)  # the slot stays held: it changes hands
+                return
+        self._held = False
+
+
 def _finite(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise TypeError(f"{name} must be a number, not {type(value).__name__}")
@@ -183,7 +237,7 @@ class SimServer:
         self.num_controls = 0
         self.num_forced_releases = 0  # pins the pressure valve released for a call that did not fit
         self.control = CacheControl(engine.cache)  # carries /kv_control's decisions out; the pressure valve
-        self._lock = asyncio.Lock()
+        self._gate = PriorityGate()
         self._started = time.monotonic()
         self._created = time.time()
 
@@ -203,6 +257,7 @@ class SimServer:
             # count would build a huge token list first.
             max_tokens = _count(body.get("max_tokens", 16), "max_tokens", capacity)
             runs = _prompt_runs(body["prompt_runs"], capacity) if "prompt_runs" in body else None
+            priority = request_priority(body.get("priority"))
         except (ValueError, KeyError, TypeError, OverflowError) as e:
             return web.json_response({"error": f"bad request: {e}"}, status=400)
         if request_id in self.served:
@@ -216,7 +271,7 @@ class SimServer:
         if not token_ids:
             return web.json_response({"error": "empty prompt"}, status=400)
         try:
-            result, queue_ms = await self._run(request_id, session_id, token_ids, max_tokens)
+            result, queue_ms = await self._run(request_id, session_id, token_ids, max_tokens, priority)
         except _Refused as e:
             return web.json_response({"error": str(e)}, status=400)
         response = {
@@ -225,7 +280,7 @@ class SimServer:
             "model": self.engine_id,
             "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
             "usage": self._usage(result),
-            "agentlog": self._timings(result, queue_ms),
+            "agentlog": self._timings(result, queue_ms, priority),
         }
         self._record(request_id, response)
         return web.json_response(response)
@@ -256,7 +311,9 @@ class SimServer:
                 token_ids = text_token_ids(chat.prompt_text())
                 reply = chat_reply(chat, request_id=request_id, num_prompt_tokens=len(token_ids))
                 try:
-                    result, queue_ms = await self._run(request_id, session_id, token_ids, chat.max_tokens)
+                    result, queue_ms = await self._run(
+                        request_id, session_id, token_ids, chat.max_tokens, chat.priority
+                    )
                 except _Refused as e:
                     raise ChatRequestError(str(e)) from None
                 completion = completion_json(
@@ -265,7 +322,7 @@ class SimServer:
                     model=chat.model,
                     created=int(time.time()),
                     usage=self._usage(result),
-                    agentlog=self._timings(result, queue_ms),
+                    agentlog=self._timings(result, queue_ms, chat.priority),
                 )
                 self._record(request_id, completion)
         except ChatRequestError as e:
@@ -292,15 +349,15 @@ class SimServer:
         return response
 
     async def _run(
-        self, request_id: str, session_id: str, token_ids: list[int], max_tokens: int
+        self, request_id: str, session_id: str, token_ids: list[int], max_tokens: int, priority: int = 0
     ) -> tuple[SimResult, float]:
-        """One engine call (both endpoints): queue, run, take the simulated time, publish its KV
-        events; ``(result, queue_ms)``. Raises ``_Refused`` when the call cannot run."""
+        """One engine call (both endpoints): queue (by ``priority``), run, take the simulated time,
+        publish its KV events; ``(result, queue_ms)``. Raises ``_Refused`` when the call cannot run."""
         # What the simulated model "says" is the request's own token run, so a trace replay
         # (services.programs.trace) puts exactly these tokens in its next prompt.
         output_ids = output_run(request_id, max_tokens).token_ids()
         queued = time.monotonic()
-        async with self._lock:
+        async with self._gate.hold(priority):
             queue_ms = (time.monotonic() - queued) * 1000 / max(self.time_scale, 1e-9)
             self.engine.cache.expire(self.now())  # TTLs end when the engine steps, like vLLM's scheduler
             while True:
@@ -344,8 +401,9 @@ class SimServer:
         }
 
     @staticmethod
-    def _timings(result: SimResult, queue_ms: float) -> dict[str, Any]:
+    def _timings(result: SimResult, queue_ms: float, priority: int) -> dict[str, Any]:
         return {
+            "priority": priority,  # the priority it was served at (0: none given), in the record too
             "queue_ms": queue_ms,
             "prefill_ms": result.prefill_ms,
             "decode_ms": result.decode_ms,
@@ -397,6 +455,7 @@ class SimServer:
                 "num_replayed": self.num_replayed,
                 "num_controls": self.num_controls,
                 "num_forced_releases": self.num_forced_releases,
+                "num_waiting": self._gate.num_waiting,  # requests queued for the engine
                 "kv_seq": self.kv_seq,
                 "gpu_blocks": cache.num_gpu_blocks,
                 "free_blocks": cache.num_free_blocks,
@@ -432,7 +491,7 @@ class SimServer:
         except (ValueError, KeyError, TypeError, OverflowError) as e:
             return web.json_response({"error": f"bad request: {e}"}, status=400)
         cache = self.engine.cache
-        async with self._lock:
+        async with self._gate.hold():
             now = self.now()
             cache.expire(now)
             try:

@@ -95,9 +95,14 @@ class VllmEngine(HttpEngine):
         self.json_schema = json_schema
         self.temperature = temperature
 
-    def payload(self, *, session_id: str, request_id: str, prompt: Prompt, max_output_tokens: int) -> dict[str, Any]:
+    def payload(self, *, session_id: str, request_id: str, prompt: Prompt, max_output_tokens: int,
+                priority: int | None = None) -> dict[str, Any]:  # fmt: skip
         payload = super().payload(
-            session_id=session_id, request_id=request_id, prompt=prompt, max_output_tokens=max_output_tokens
+            session_id=session_id,
+            request_id=request_id,
+            prompt=prompt,
+            max_output_tokens=max_output_tokens,
+            priority=priority,
         )
         if prompt.text is None:
             del payload["prompt_runs"]

@@ -17,6 +17,7 @@ from bench.cache_policies import (
     floor_jct,
     make_manager,
     print_goals,
+    print_plas_goals,
     print_tables,
     read_csv,
     replicate,
@@ -262,3 +263,33 @@ def test_traces_are_read_from_the_repositorys_traces_dir_or_the_one_given(tmp_pa
     assert Path(driver.__file__).resolve().parent.parent / "traces" == driver.TRACES_DIR
     # A directory without the recorded traces leaves the synthetic workloads only.
     assert [w.name for w in driver.workloads(True, 0, tmp_path)] == ["synthetic-lognormal", "synthetic-pareto"]
+
+
+def _plas_rows(workload: str, speedup: float, p95_slack: float = 1.0) -> list[Row]:
+    """One cell at load 0.8 and 50%: vllm 3.0 s, kvflow 2.5 s (the best baseline), ours 2.4 s, and
+    ours+plas ``speedup`` x better than kvflow (its p95 ``p95_slack`` x kvflow's)."""
+    base = Row(workload, 0.8, 1.0, 0.5, 10, 20, "vllm", 1.0, 3.0, 9.0, 10, 0.5, 0.0, 0.0, 0.0, 0)
+    return [
+        base,
+        replace(base, policy="kvflow", mean_jct=2.5, p95_jct=6.0),
+        replace(base, policy="ours", mean_jct=2.4, p95_jct=5.0),  # not a baseline of ours+plas
+        replace(base, policy="ours+plas", mean_jct=2.5 / speedup, p95_jct=6.0 * p95_slack),
+        replace(base, policy="oracle", mean_jct=1.0, p95_jct=1.0),
+    ]
+
+
+def test_the_plas_goal_counts_workloads_over_the_best_non_oracle_baseline(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    rows = [*_plas_rows("a", 1.3), *_plas_rows("b", 1.26), *_plas_rows("c", 1.25)]
+    print_plas_goals(rows)
+    out = capsys.readouterr().out
+    assert "best mean kvflow " in out and " 2.50 (1.300x)" in out
+    assert "most any policy can gain (best mean / floor): 2.500x" in out
+    assert "every cell >= 1.25x: 3 of 3 (goal 3)" in out and "goal met" in out
+    # one cell whose p95 is 2% worse than the best baseline's fails the goal however fast its mean
+    print_plas_goals([*rows, *_plas_rows("d", 2.0, p95_slack=1.02)])
+    assert "+2.0% (goal <= +1%); goal NOT met" in capsys.readouterr().out
+    write_markdown(rows, tmp_path / "t.md")
+    assert (
+        "| a | 0.8 | 50% | 1.92 | kvflow | 2.50 | 1.300x | 6.0 | kvflow | 6.0 | 1.000x | 2.40 | 2.500x |"
+        in (tmp_path / "t.md").read_text()
+    )

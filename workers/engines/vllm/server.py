@@ -8,7 +8,8 @@
 
 ``start`` waits for ``/health`` and prints the endpoints as ``KEY=value`` lines
 (``AGENTLOG_VLLM_URL``, ``AGENTLOG_VLLM_MODEL``, ``AGENTLOG_VLLM_KV_EVENTS``,
-``AGENTLOG_VLLM_KV_REPLAY``, ``AGENTLOG_VLLM_CONTROL``) for ``set -a; . vllm.env``.
+``AGENTLOG_VLLM_KV_REPLAY``, ``AGENTLOG_VLLM_CONTROL``, ``AGENTLOG_SCHEDULING``) for
+``set -a; . vllm.env``.
 
 What the command line configures, and why:
 
@@ -32,6 +33,11 @@ What the command line configures, and why:
   one only with auto tool choice on), though it builds a named call from the constrained
   output without parsing; ``pythonic`` needs no special tokens, so it loads with any
   tokenizer. An ``auto`` choice is then parsed as Python-style calls;
+- ``--scheduling-policy priority`` when started with ``--scheduling-policy priority`` (default ``fcfs``,
+  vLLM's): waiting requests are served by their ``priority`` field, lowest first, and a running
+  request may be preempted for a higher-priority one; the planner and the gateway send
+  agentlog's program-level priorities (``services.scheduling``) when ``AGENTLOG_SCHEDULING=plas``,
+  which ``start`` prints with the endpoints (vLLM refuses a non-zero priority under ``fcfs``);
 - on a machine without a GPU: ``--enforce-eager`` (no torch.compile: starts in ~35 s
   instead of ~90 s on 2 cores) and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB).
 
@@ -62,6 +68,7 @@ from workers.engines.vllm.control import CONTROL_ENV
 __all__ = ["VllmServer", "VllmServerConfig", "default_python", "repo_root"]
 
 SCHEDULER = "workers.engines.vllm.scheduler.AgentlogScheduler"
+SCHEDULING_POLICIES = ("fcfs", "priority")
 CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 
 
@@ -115,6 +122,14 @@ class VllmServerConfig:
     """A Jinja chat template (default: ``CHAT_TEMPLATE`` for a local model without one)."""
     tool_call_parser: str | None = "pythonic"
     """Lets vLLM accept a named or ``required`` ``tool_choice`` (see the module docstring)."""
+    scheduling_policy: str = "fcfs"
+    """vLLM's ``--scheduling-policy``: ``fcfs`` or ``priority`` (serve requests by their ``priority``)."""
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, not {self.scheduling_policy!r}"
+            )
 
     @property
     def url(self) -> str:
@@ -178,6 +193,8 @@ class VllmServerConfig:
             cmd += ["--chat-template", str(template)]
         if self.tool_call_parser:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        if self.scheduling_policy != "fcfs":
+            cmd += ["--scheduling-policy", self.scheduling_policy]
         return [*cmd, *self.extra_args]
 
     def env(self) -> dict[str, str]:
@@ -196,6 +213,8 @@ class VllmServerConfig:
             "AGENTLOG_VLLM_KV_EVENTS": self.kv_events,
             "AGENTLOG_VLLM_KV_REPLAY": self.kv_replay,
             "AGENTLOG_VLLM_CONTROL": self.control,
+            # The planner and the gateway send priorities only to a server that serves by them.
+            "AGENTLOG_SCHEDULING": "plas" if self.scheduling_policy == "priority" else "off",
         }
 
 
@@ -287,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--block-size", type=int, default=32)
     start.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks (small: pressure)")
     start.add_argument("--no-agentlog-scheduler", action="store_true", help="vLLM's own scheduler (no pins)")
+    start.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="priority: serve requests by their priority field (agentlog's program-level priorities)",
+    )
     start.add_argument("--chat-template", type=Path, default=None, help="default: ours for a local model without one")
     start.add_argument("--pid-file", type=Path)
     start.add_argument("--wait-s", type=float, default=600)
@@ -311,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler_cls=None if args.no_agentlog_scheduler else SCHEDULER,
         extra_args=args.extra,
         chat_template=args.chat_template,
+        scheduling_policy=args.scheduling_policy,
     )
     server = VllmServer(config)
     began = time.monotonic()

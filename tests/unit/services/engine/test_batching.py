@@ -168,3 +168,50 @@ def test_growth_that_does_not_fit_preempts_the_newest_call_which_recomputes_late
     assert m.preempt_recomputed_tokens == 5
     assert m.computed_tokens == 4 + 4 + 5
     assert m.steps == 5 + 4 + 4
+
+
+class _Ranked(_NoManager):
+    """No cache manager, but priorities: ``ranks[session]`` for each of its calls (lower first)."""
+
+    name = "ranked"
+
+    def __init__(self, ranks: dict[str, float]) -> None:
+        self.ranks = ranks
+
+    def priority(self, s: Sess, now: float) -> float | None:
+        return self.ranks[s.sid]
+
+
+def _one_at_a_time_trace() -> Trace:
+    # Three calls of 8 prompt tokens and 4 decode slots (3 blocks each) on 3 blocks: one at a time.
+    # x arrives first and runs; y and then z wait.
+    return Trace(
+        (
+            _session("x", 0.0, TraceTurn(8, 4)),
+            _session("y", 0.001, TraceTurn(8, 4)),
+            _session("z", 0.002, TraceTurn(8, 4)),
+        )
+    )
+
+
+def test_waiting_calls_are_admitted_by_priority_when_the_manager_gives_them() -> None:
+    # FCFS (no priorities): y then z. Each call alone: 8 + 10 ms, then 3 x 10 ms = 48 ms.
+    fcfs = BatchSim(_one_at_a_time_trace(), _NoManager(), gpu_blocks=3, host_blocks=0, cost=COST).run()
+    assert fcfs.jct == pytest.approx([0.048, 0.096 - 0.001, 0.144 - 0.002], abs=EPS)
+    # z ranks before y: it runs second although it arrived last.
+    ranked = _Ranked({"x": 0.0, "y": 20.0, "z": 10.0})
+    m = BatchSim(_one_at_a_time_trace(), ranked, gpu_blocks=3, host_blocks=0, cost=COST).run()
+    assert m.jct == pytest.approx([0.048, 0.096 - 0.002, 0.144 - 0.001], abs=EPS)
+    # and the serial engine model serves by priority too
+    serial = Sim(_one_at_a_time_trace(), _Ranked({"x": 0.0, "y": 20.0, "z": 10.0}), 3, 0, COST).run()
+    assert serial.jct == pytest.approx([0.048, 0.096 - 0.002, 0.144 - 0.001], abs=EPS)
+
+
+def test_growth_that_does_not_fit_preempts_the_lowest_ranked_call_with_priorities() -> None:
+    # The preemption scenario above, where vLLM's FCFS preempts the newest (y): with y ranked
+    # first, x (ranked last) is preempted instead and y finishes first.
+    trace = Trace((_session("x", 0.0, TraceTurn(4, 9)), _session("y", 0.0, TraceTurn(4, 9))))
+    m = BatchSim(trace, _Ranked({"x": 5.0, "y": 1.0}), gpu_blocks=4, host_blocks=0, cost=COST).run()
+    assert m.preemptions == 1
+    assert m.jct[0] == pytest.approx(0.103, abs=EPS)  # the first to finish is y, in x's former time
+    assert m.jct == sorted(m.jct)
