@@ -3,7 +3,7 @@
 Run::
 
     python -m bench.log_throughput [--events N] [--bootstrap HOST:PORT] [--partitions 4] [--json FILE]
-                                   [--secure-compare | --no-secure-compare]
+                                   [--secure-compare | --no-secure-compare] [--clients python rdkafka]
 
 Without ``--bootstrap`` (and without ``KAFKA_BOOTSTRAP_SERVERS``) a local
 single-node broker is started for the run and stopped afterwards.
@@ -39,6 +39,13 @@ Events look like an agent session's ``agent.actions`` traffic: per turn an
 text and usually a ``ToolCallProposed`` with JSON arguments, interleaved over
 about 1000 sessions. Every run uses fresh namespaces (topic prefixes), so runs
 never see each other's data; its topics are deleted at the end.
+
+Clients (``--clients``): agentlog's side runs once per Kafka client it can use
+(``python``: kafka-python, ``log.kafka_backend``; ``rdkafka``: librdkafka,
+``log.rdkafka_backend``), each in a namespace of its own, rows side by side
+(``append [rdkafka]``); the raw side is always kafka-python, once per round, on
+the bytes the first client's SharedLog wrote. So every ratio is "agentlog on
+that client / raw kafka-python on the same bytes", in one run.
 
 Fairness: a small warm-up round of every phase on both sides runs first, in
 namespaces of its own (JVM JIT, page cache, the group coordinator, Python
@@ -88,6 +95,7 @@ from log.chain import ChainVerifier
 from log.codec import Codec
 from log.kafka_backend import KafkaBackend
 from log.local_kafka import LocalKafkaBroker
+from log.rdkafka_backend import RdKafkaBackend
 from log.topics import AGENT_ACTIONS
 from schemas.events import (
     EffectClass,
@@ -113,6 +121,8 @@ WRITER = "planner"
 READER = "auditor"
 GROUP = "auditor-bench"
 """Logical consumer group of both consumers; physical ``<namespace>.auditor-bench``, as KafkaBackend names groups."""
+CLIENTS = ("python", "rdkafka")
+"""agentlog's Kafka clients (``log.urls.KAFKA_CLIENTS``): kafka-python and librdkafka."""
 # Producer settings copied from the agentlog producer, so raw sends the way agentlog does.
 PRODUCER_KEYS = ("acks", "enable_idempotence", "linger_ms", "batch_size", "compression_type")
 
@@ -309,15 +319,18 @@ class Profiler:
 
 @dataclass(frozen=True)
 class Namespaces:
-    """Fresh topic prefixes of one round: agentlog's and raw's."""
+    """Fresh topic prefixes of one round: agentlog's on each client, and raw's."""
 
-    agentlog: str
+    run: str
     raw: str
 
     @classmethod
     def fresh(cls, label: str) -> Namespaces:
         run = f"bench-{uuid.uuid4().hex[:10]}-{label}"
-        return cls(f"{run}-agentlog", f"{run}-raw")
+        return cls(run, f"{run}-raw")
+
+    def agentlog(self, client: str) -> str:
+        return f"{self.run}-agentlog{_suffix(client)}"
 
 
 @dataclass(frozen=True)
@@ -353,7 +366,12 @@ class Cluster:
             secure=True,
         )
 
-    def backend(self, namespace: str, client_config: dict[str, Any]) -> KafkaBackend:
+    def backend(
+        self, namespace: str, client_config: dict[str, Any], client: str = "python"
+    ) -> KafkaBackend | RdKafkaBackend:
+        """agentlog's backend on ``client`` (``CLIENTS``)."""
+        if client == "rdkafka":
+            return RdKafkaBackend(self.bootstrap, namespace=namespace, client_config=client_config)
         return KafkaBackend(self.bootstrap, namespace=namespace, client_config=client_config)
 
 
@@ -386,12 +404,16 @@ def delete_namespaces(cluster: Cluster, namespaces: Sequence[str]) -> None:
         admin.close()
 
 
-def producer_settings(log: SharedLog) -> dict[str, Any]:
-    """The started SharedLog's producer settings (reads its private producer: a bench may)."""
-    backend = log.backend
-    assert isinstance(backend, KafkaBackend)
-    config = backend._producer.config
-    return {key: config[key] for key in PRODUCER_KEYS} | backend.client_config
+async def producer_settings(cluster: Cluster, namespace: str) -> dict[str, Any]:
+    """agentlog's kafka-python producer settings (reads the private producer of a started
+    KafkaBackend: a bench may), for the raw producer to send as agentlog does."""
+    backend = KafkaBackend(cluster.bootstrap, namespace=namespace, client_config=cluster.writer)
+    await backend.start()
+    try:
+        config = backend._producer.config
+        return {key: config[key] for key in PRODUCER_KEYS} | backend.client_config
+    finally:
+        await backend.close()
 
 
 async def _append_all(log: SharedLog, drafts: Sequence[Draft], batch: int) -> None:
@@ -404,20 +426,28 @@ async def _read_back(log: SharedLog) -> list[RawRecord]:
 
 
 async def agentlog_append(
-    cluster: Cluster, namespace: str, drafts: Sequence[Draft], profiler: Profiler
-) -> tuple[Timing, list[RawRecord], dict[str, Any]]:
-    """Append all drafts; returns the timing, the records as written, and the producer settings."""
-    async with SharedLog(cluster.backend(namespace, cluster.writer), actor=WRITER) as log:
+    cluster: Cluster, namespace: str, drafts: Sequence[Draft], profiler: Profiler, client: str = "python"
+) -> tuple[Timing, list[RawRecord]]:
+    """Append all drafts on ``client``; returns the timing and the records as written."""
+    async with SharedLog(cluster.backend(namespace, cluster.writer, client), actor=WRITER) as log:
         freeze_heap()
-        with profiler.phase("agentlog_append"):
+        with profiler.phase(f"agentlog_append{_suffix(client)}"):
             start = time.perf_counter()
             await _append_all(log, drafts, APPEND_BATCH)
             seconds = time.perf_counter() - start
         records = await _read_back(log)
-        settings = producer_settings(log)
     if len(records) != len(drafts):
         raise RuntimeError(f"appended {len(drafts)} events but read back {len(records)}")
-    return Timing(seconds, len(records), sum(len(r.value) for r in records)), records, settings
+    return Timing(seconds, len(records), sum(len(r.value) for r in records)), records
+
+
+def _suffix(client: str) -> str:
+    """What names a client's phase (none for kafka-python, the default client)."""
+    return "" if client == "python" else f"_{client}"
+
+
+def _label(name: str, client: str) -> str:
+    return name if client == "python" else f"{name} [{client}]"
 
 
 def raw_append(
@@ -439,19 +469,18 @@ def raw_append(
 
 
 async def agentlog_consume(
-    cluster: Cluster, namespace: str, num_events: int, num_bytes: int, profiler: Profiler
+    cluster: Cluster, namespace: str, num_events: int, num_bytes: int, profiler: Profiler, client: str = "python"
 ) -> Timing:
-    """An EventConsumer in a new group, from the beginning, until ``num_events`` verified events.
-
-    The events are the records appended before, so their size is ``num_bytes``.
+    """An EventConsumer on ``client`` in a new group, from the beginning, until ``num_events``
+    verified events. The events are the records appended before, so their size is ``num_bytes``.
     """
     async with (
-        SharedLog(cluster.backend(namespace, cluster.reader), actor=READER) as log,
+        SharedLog(cluster.backend(namespace, cluster.reader, client), actor=READER) as log,
         log.consumer(GROUP, [TOPIC], from_beginning=True) as consumer,
     ):
         freeze_heap()
         progress = Progress(num_events)
-        with profiler.phase("agentlog_consume"):
+        with profiler.phase(f"agentlog_consume{_suffix(client)}"):
             while not progress.done:
                 events = await consumer.poll(timeout_s=1.0, max_records=POLL_RECORDS)
                 progress.add(len(events))
@@ -541,27 +570,37 @@ def run_round(
     label: str,
     profiler: Profiler,
     *,
+    clients: Sequence[str] = ("python",),
     in_memory: bool = True,
 ) -> list[Phase]:
-    """Every phase once on both sides, in fresh namespaces (deleted afterwards).
+    """Every phase once on both sides (agentlog's once per client), in fresh namespaces
+    (deleted afterwards).
 
     ``in_memory``: also measure decode+verify (no I/O, so once per run is enough).
     """
     ns = Namespaces.fresh(f"{label}-{cluster.mode}")
+    namespaces = [ns.agentlog(c) for c in clients]
     try:
-        asyncio.run(create_namespace(cluster, ns.agentlog, partitions))
+        for namespace in namespaces:
+            asyncio.run(create_namespace(cluster, namespace, partitions))
         raw_topic = asyncio.run(create_namespace(cluster, ns.raw, partitions))
-        # Order: agentlog appends first (raw sends the bytes it wrote), raw consumes first.
-        agentlog_add, records, settings = asyncio.run(agentlog_append(cluster, ns.agentlog, drafts, profiler))
+        settings = asyncio.run(producer_settings(cluster, ns.raw))
+        # Order: agentlog appends first (raw sends the bytes the first client wrote), raw consumes first.
+        appended = [asyncio.run(agentlog_append(cluster, ns.agentlog(c), drafts, profiler, c)) for c in clients]
+        records = appended[0][1]
         raw_add = raw_append(cluster.bootstrap, raw_topic, send_order(drafts, records), settings, profiler)
         raw_read = raw_consume(cluster, raw_topic, physical_group(ns.raw), len(drafts), profiler)
-        agentlog_read = asyncio.run(agentlog_consume(cluster, ns.agentlog, len(drafts), agentlog_add.bytes, profiler))
-        phases = [Phase("append", agentlog_add, raw_add), Phase("consume", agentlog_read, raw_read)]
+        reads = [
+            asyncio.run(agentlog_consume(cluster, ns.agentlog(c), len(drafts), add.bytes, profiler, c))
+            for c, (add, _) in zip(clients, appended, strict=True)
+        ]
+        phases = [Phase(_label("append", c), add, raw_add) for c, (add, _) in zip(clients, appended, strict=True)]
+        phases += [Phase(_label("consume", c), read, raw_read) for c, read in zip(clients, reads, strict=True)]
         if in_memory:
             phases.append(Phase("decode+verify", decode_verify(records)))
     finally:
         gc.unfreeze()
-        delete_namespaces(cluster, [ns.agentlog, ns.raw])
+        delete_namespaces(cluster, [*namespaces, ns.raw])
     return phases
 
 
@@ -588,10 +627,11 @@ def _ratio(num: Timing | None, den: Timing | None) -> str:
 
 
 def _first_fetch(phases: Sequence[Phase]) -> str | None:
-    consume = next((p for p in phases if p.name == "consume"), None)
-    if consume is None or consume.raw is None:
+    consumes = [p for p in phases if p.name.startswith("consume") and p.raw is not None]
+    if not consumes:
         return None
-    return f"{consume.agentlog.first_s or 0:.2f}s agentlog, {consume.raw.first_s or 0:.2f}s raw"
+    agentlog = ", ".join(f"{p.agentlog.first_s or 0:.2f}s {p.name.replace('consume', 'agentlog')}" for p in consumes)
+    return f"{agentlog}, {consumes[0].raw.first_s or 0:.2f}s raw"  # type: ignore[union-attr]
 
 
 def format_table(
@@ -639,6 +679,7 @@ def format_table(
         f"({total / num_events:.0f} B/event); MB = 10^6 B of values",
         f"machine: {info['cores']} cores, Python {info['python']}, kafka-python {info['kafka_python']} "
         f"(CRC-32C: {info['crc32c']}), {info['platform']}",
+        f"load average (1 min) at start and end: {info['load_average']}",
         "",
     ]
     if secure is not None:
@@ -736,6 +777,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="warm-up events (0: none)")
     parser.add_argument("--json", type=Path, help="also write the numbers to this file")
     parser.add_argument(
+        "--clients",
+        nargs="+",
+        choices=CLIENTS,
+        default=["python"],
+        help="agentlog's Kafka clients, one row each beside raw kafka-python (default: %(default)s)",
+    )
+    parser.add_argument(
         "--secure-compare",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -753,6 +801,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    load_before = os.getloadavg()[0]
     if args.events < 1:
         raise SystemExit("--events must be positive")
     drafts = build_drafts(args.events)
@@ -764,14 +813,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if warmup:
             for cluster in clusters:  # each broker is a JVM of its own, with its own JIT
                 print(f"warm-up round, {cluster.mode} ({len(warmup):,} events) ...", file=sys.stderr)
-                run_round(cluster, warmup, args.partitions, "warmup", Profiler(None), in_memory=False)
+                run_round(
+                    cluster, warmup, args.partitions, "warmup", Profiler(None), clients=args.clients, in_memory=False
+                )
         print(f"measured round, plaintext ({len(drafts):,} events) ...", file=sys.stderr)
-        phases = run_round(clusters[0], drafts, args.partitions, "run", Profiler(args.profile))
+        phases = run_round(clusters[0], drafts, args.partitions, "run", Profiler(args.profile), clients=args.clients)
         if secure is not None:
             print(f"measured round, secure ({len(drafts):,} events) ...", file=sys.stderr)
             profiler = Profiler(None if args.profile is None else args.profile / "secure")
-            secure_phases = run_round(secure, drafts, args.partitions, "run", profiler, in_memory=False)
-    info = machine()
+            secure_phases = run_round(
+                secure, drafts, args.partitions, "run", profiler, clients=args.clients, in_memory=False
+            )
+    # Other processes share the machine (the ratios in one run are what compare): say how busy it was.
+    info = machine() | {"load_average": f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"}
     print(format_table(phases, args.events, args.partitions, info, secure_phases))
     if args.json is not None:
         numbers = to_json(phases, args.events, args.partitions, info, secure_phases)
