@@ -64,6 +64,7 @@ from fastavro.read import SchemaResolutionError
 from fastavro.schema import parse_schema
 from pydantic import ValidationError
 
+from log.body_writer import BodyWriter, Unusual, body_writer
 from log.errors import BadMagic, HashMismatch, SchemaMismatch, TruncatedRecord, UnknownFingerprint
 from schemas import registry
 from schemas.envelope import Envelope
@@ -377,14 +378,16 @@ def _is_flat(model: type[Model]) -> bool:
 class _BodyType:
     """The fast path's view of one branch of the envelope's body union."""
 
-    __slots__ = ("flat", "index", "model", "name", "schema")
+    __slots__ = ("flat", "index", "model", "name", "schema", "write")
 
-    def __init__(self, index: int, model: type[Model], schema: Any) -> None:
+    def __init__(self, index: int, model: type[Model], schema: dict[str, Any]) -> None:
         self.index = _long(index)  # the branch's union index, encoded
         self.model = model
         self.name = registry.full_name(model)
-        self.schema = schema
+        self.schema = parse_schema(schema, named_schemas={})
         self.flat = _is_flat(model)
+        # A writer of our own for the bodies whose __dict__ is their dump (log.body_writer).
+        self.write: BodyWriter | None = body_writer(schema) if self.flat else None
 
 
 def _check_layout(expanded: dict[str, Any]) -> None:
@@ -432,9 +435,7 @@ class Codec:
         names: dict[str, Any] = {}
         _named_types(expanded, registry.NAMESPACE, names)
         self._bodies = [
-            _BodyType(
-                i, model, parse_schema(_standalone(names[registry.full_name(model)], names, set()), named_schemas={})
-            )
+            _BodyType(i, model, _standalone(names[registry.full_name(model)], names, set()))
             for i, model in enumerate(EVENT_TYPES)
         ]
         self._body_of: dict[type[Model], _BodyType] = {b.model: b for b in self._bodies}
@@ -467,32 +468,38 @@ class Codec:
         event_id_bytes = _utf8(event_id)
         session_bytes = _utf8(session_id)
         actor_bytes = _utf8(actor)
-        buf = io.BytesIO()
-        buf.write(
-            b"".join(
-                (
-                    self._header,
-                    _long(len(event_id_bytes)),
-                    event_id_bytes,
-                    _long(len(session_bytes)),
-                    session_bytes,
-                    _long(seq),
-                    _long(len(actor_bytes)),
-                    actor_bytes,
-                    _long(to_micros(occurred_at)),
-                    cause,
-                    _long(len(prev_hash)),
-                    prev_hash,
-                    body_type.index,
-                )
+        head = b"".join(
+            (
+                self._header,
+                _long(len(event_id_bytes)),
+                event_id_bytes,
+                _long(len(session_bytes)),
+                session_bytes,
+                _long(seq),
+                _long(len(actor_bytes)),
+                actor_bytes,
+                _long(to_micros(occurred_at)),
+                cause,
+                _long(len(prev_hash)),
+                prev_hash,
+                body_type.index,
             )
         )
-        # fastavro only reads the dict; a flat body's own __dict__ equals its model_dump().
-        schemaless_writer(buf, body_type.schema, body.__dict__ if body_type.flat else body.model_dump())
-        digest = hashlib.sha256(buf.getbuffer()[HEADER_LEN:]).digest()
-        buf.write(_HASH_PREFIX)
-        buf.write(digest)
-        return buf.getvalue(), digest
+        encoded = None
+        if body_type.write is not None:
+            try:
+                encoded = body_type.write(body.__dict__)
+            except (Unusual, KeyError, UnicodeEncodeError):
+                encoded = None  # fastavro decides what such a value means (or which error it is)
+        if encoded is None:
+            buf = io.BytesIO()
+            # fastavro only reads the dict; a flat body's own __dict__ equals its model_dump().
+            schemaless_writer(buf, body_type.schema, body.__dict__ if body_type.flat else body.model_dump())
+            encoded = buf.getvalue()
+        hashed = hashlib.sha256(memoryview(head)[HEADER_LEN:])
+        hashed.update(encoded)
+        digest = hashed.digest()
+        return b"".join((head, encoded, _HASH_PREFIX, digest)), digest
 
     # ------------------------------------------------------------------ decode
 
