@@ -51,7 +51,11 @@ class _Chain:
     next_seq: int = 0
     last_hash: bytes = ZERO_HASH
     # event_id -> where it landed (or its _Pending while in flight); makes re-appends no-ops.
-    known: dict[str, Position | _Pending] = field(default_factory=dict)
+    # Landed in the session's own partition (always, with our partitioner), just the offset:
+    # an int is no object for the garbage collector to scan, and a long-lived writer keeps one
+    # entry per event it ever wrote (a Position each made full collections the largest cost
+    # of appending, bench/log_throughput.py). A Position only for a record found elsewhere.
+    known: dict[str, int | Position | _Pending] = field(default_factory=dict)
 
 
 class SharedLog:
@@ -161,7 +165,7 @@ class SharedLog:
         # its batch is in flight (earlier in this batch or in a concurrent append), to that pair.
         began = time.perf_counter()
         batch: asyncio.Future[list[Position]] = asyncio.get_running_loop().create_future()
-        results: list[Position | _Pending] = []
+        results: list[int | Position | _Pending] = []
         written: list[tuple[str, Event, float]] = []  # for on_appended: (session, body, occurred_at)
         out: list[OutRecord] = []
         fresh: list[tuple[_Chain, str]] = []  # the chain and event_id of each record of ``out``
@@ -213,12 +217,14 @@ class SharedLog:
             raise
         batch.set_result(positions)
         for (chain, event_id), position in zip(fresh, positions, strict=True):
-            chain.known[event_id] = position
+            chain.known[event_id] = position.offset  # in the partition we sent it to
         if written and self.on_appended is not None:
             self.on_appended(topic.name, written, time.perf_counter() - began)
         landed: list[Position] = []
-        for r in results:
-            if isinstance(r, Position):
+        for r, partition in zip(results, partitions, strict=True):
+            if isinstance(r, int):
+                landed.append(Position(topic.name, partition, r))
+            elif isinstance(r, Position):
                 landed.append(r)
             elif r[0] is batch:
                 landed.append(positions[r[1]])
@@ -260,7 +266,8 @@ class SharedLog:
             chain = self._chains.setdefault((topic.name, envelope.session_id), _Chain())
             chain.next_seq = envelope.seq + 1
             chain.last_hash = envelope.hash
-            chain.known[envelope.event_id] = record.position
+            position = record.position
+            chain.known[envelope.event_id] = position.offset if position.partition == partition else position
         self._loaded.add((topic.name, partition))
         _log.debug("recovered %s[%d] from %d records", topic.name, partition, num_records)
 
