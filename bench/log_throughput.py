@@ -59,8 +59,8 @@ every record batch, in pure Python unless the ``crc32c`` package is installed
 (a dependency of agentlog since the cache manager's throughput work). Without
 it that checksum dominates the raw side's cost on both paths and the ratios are
 near 1; with it the raw client is about 3x faster and agentlog's own per-event
-Python work (Avro, SHA-256, verification) sets the ratios (about 0.35-0.63 for
-appending, 0.26-0.48 for consuming; docs/cache-manager.md).
+Python work (Avro, SHA-256, verification) sets the ratios (README, "Log
+throughput", for the latest numbers on each client).
 """
 
 from __future__ import annotations
