@@ -267,7 +267,9 @@ class SharedLog:
             chain.next_seq = envelope.seq + 1
             chain.last_hash = envelope.hash
             position = record.position
-            chain.known[envelope.event_id] = position.offset if position.partition == partition else position
+            # By offset when in the session's own partition, where an append looks it up again.
+            mine = position.partition == self.partition_for(envelope.session_id)
+            chain.known[envelope.event_id] = position.offset if mine else position
         self._loaded.add((topic.name, partition))
         _log.debug("recovered %s[%d] from %d records", topic.name, partition, num_records)
 
