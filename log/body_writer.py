@@ -25,14 +25,14 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BodyWriter", "body_writer"]
+__all__ = ["MAX_LONG", "MIN_LONG", "BodyWriter", "body_writer", "varint"]
 
 BodyWriter = Callable[[dict[str, Any]], bytes]
 """A body's field values (its ``__dict__``) to the Avro binary encoding of the record."""
 
 _FieldWriter = Callable[[Any], bytes]
 
-_MIN_LONG, _MAX_LONG = -(1 << 63), (1 << 63) - 1
+MIN_LONG, MAX_LONG = -(1 << 63), (1 << 63) - 1
 _MIN_INT, _MAX_INT = -(1 << 31), (1 << 31) - 1
 _ONE_BYTE = tuple(bytes([i]) for i in range(0x80))
 _pack_double = struct.Struct("<d").pack
@@ -42,7 +42,7 @@ class Unusual(Exception):
     """A value this module does not write (fastavro writes it, or refuses it)."""
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
     """Avro's zig-zag varint of a long known to fit in 64 bits."""
     z = (n << 1) ^ (n >> 63)
     if z < 0x80:
@@ -59,25 +59,25 @@ def _string(value: Any) -> bytes:
     if type(value) is not str:
         raise Unusual
     data = value.encode()  # a lone surrogate raises: fastavro then raises its own error
-    return _varint(len(data)) + data
+    return varint(len(data)) + data
 
 
 def _bytes(value: Any) -> bytes:
     if type(value) is not bytes:
         raise Unusual
-    return _varint(len(value)) + value
+    return varint(len(value)) + value
 
 
 def _long(value: Any) -> bytes:
-    if type(value) is not int or not _MIN_LONG <= value <= _MAX_LONG:
+    if type(value) is not int or not MIN_LONG <= value <= MAX_LONG:
         raise Unusual
-    return _varint(value)
+    return varint(value)
 
 
 def _int(value: Any) -> bytes:
     if type(value) is not int or not _MIN_INT <= value <= _MAX_INT:
         raise Unusual
-    return _varint(value)
+    return varint(value)
 
 
 def _double(value: Any) -> bytes:
@@ -104,7 +104,7 @@ _PRIMITIVES: dict[str, _FieldWriter] = {
 
 def _enum(symbols: list[str]) -> _FieldWriter:
     # A StrEnum member hashes and compares as its value, so it finds its symbol's index.
-    index = {symbol: _varint(i) for i, symbol in enumerate(symbols)}
+    index = {symbol: varint(i) for i, symbol in enumerate(symbols)}
 
     def write(value: Any) -> bytes:
         if not isinstance(value, str):
@@ -118,7 +118,7 @@ def _enum(symbols: list[str]) -> _FieldWriter:
 
 
 def _optional(null_index: int, inner: _FieldWriter) -> _FieldWriter:
-    null, other = _varint(null_index), _varint(1 - null_index)
+    null, other = varint(null_index), varint(1 - null_index)
 
     def write(value: Any) -> bytes:
         return null if value is None else other + inner(value)
@@ -133,7 +133,7 @@ def _array(item: _FieldWriter) -> _FieldWriter:
             raise Unusual
         if not value:
             return b"\x00"
-        return b"".join([_varint(len(value)), *map(item, value), b"\x00"])
+        return b"".join([varint(len(value)), *map(item, value), b"\x00"])
 
     return write
 
@@ -144,7 +144,7 @@ def _map(item: _FieldWriter) -> _FieldWriter:
             raise Unusual
         if not value:
             return b"\x00"
-        parts = [_varint(len(value))]
+        parts = [varint(len(value))]
         for key, val in value.items():
             parts.append(_string(key))
             parts.append(item(val))

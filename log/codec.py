@@ -64,7 +64,7 @@ from fastavro.read import SchemaResolutionError
 from fastavro.schema import parse_schema
 from pydantic import ValidationError
 
-from log.body_writer import BodyWriter, Unusual, body_writer
+from log.body_writer import MAX_LONG, MIN_LONG, BodyWriter, Unusual, body_writer, varint
 from log.errors import BadMagic, HashMismatch, SchemaMismatch, TruncatedRecord, UnknownFingerprint
 from schemas import registry
 from schemas.envelope import Envelope
@@ -102,8 +102,6 @@ def to_micros(moment: datetime) -> int:
 
 # ------------------------------------------------------------ Avro primitives
 
-_MIN_LONG, _MAX_LONG = -(1 << 63), (1 << 63) - 1
-_ONE_BYTE = tuple(bytes([i]) for i in range(0x80))
 _NULL_BRANCH = b"\x00"  # union branch 0 (null)
 _SECOND_BRANCH = b"\x02"  # union branch 1 (zig-zag 1)
 _utf8 = str.encode  # unlike s.encode(), raises TypeError for a non-str, as fastavro does
@@ -111,17 +109,9 @@ _utf8 = str.encode  # unlike s.encode(), raises TypeError for a non-str, as fast
 
 def _long(n: int) -> bytes:
     """The Avro encoding of a long: zig-zag, then a little-endian base-128 varint."""
-    if not _MIN_LONG <= n <= _MAX_LONG:
+    if not MIN_LONG <= n <= MAX_LONG:
         raise OverflowError(f"{n} does not fit in an Avro long (64 bits)")  # fastavro refuses it too
-    z = (n << 1) ^ (n >> 63)
-    if z < 0x80:
-        return _ONE_BYTE[z]
-    out = bytearray()
-    while z >= 0x80:
-        out.append((z & 0x7F) | 0x80)
-        z >>= 7
-    out.append(z)
-    return bytes(out)
+    return varint(n)
 
 
 # The readers below fail the way fastavro's reader does on the same bad bytes, so the
