@@ -18,9 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -35,6 +32,7 @@ from cli.stack import free_port
 from log import open_log
 from schemas import events as ev
 from tests.e2e.cdp import Browser, chromium_path
+from tests.logctl_up import logctl_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -183,17 +181,10 @@ def test_the_console_in_a_browser_approves_a_payment_once(
         "USER": "operator",
     }
     ensure_topics(pg_url, namespace=namespace)
-    argv = [sys.executable, "-c", "from cli.main import app; app()", "up", "--log-url", pg_url,
-            "--time-scale", "0.05", "--work-dir", str(tmp_path), "--projector", "--console",
-            "--console-port", str(port), "--cache-manager", "--gpu-blocks", "256"]  # fmt: skip
-    up = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert up.stdout is not None
-        names = []
-        while not (line := up.stdout.readline()).startswith("running"):
-            assert line, f"logctl up exited early: {names}"
-            names.append(line.split()[0])
-        assert {"projector", "console", "planner-0", "decider", "executor"} <= set(names)
+    flags = ["--time-scale", "0.05", "--work-dir", str(tmp_path), "--projector", "--console", "--console-port",
+             str(port), "--cache-manager", "--gpu-blocks", "256"]  # fmt: skip
+    with logctl_up(pg_url, *flags, env=env) as stack:
+        assert {"projector", "console", "planner-0", "decider", "executor"} <= stack.names
 
         run, pay = f"web-{namespace}", f"pay-{namespace}"
         cli_env = {"AGENTLOG_NAMESPACE": namespace}
@@ -211,9 +202,3 @@ def test_the_console_in_a_browser_approves_a_payment_once(
         shots = Path(os.environ.get(SCREENSHOTS_ENV) or tmp_path / "screenshots")
         shots.mkdir(parents=True, exist_ok=True)
         asyncio.run(_browse(f"http://127.0.0.1:{port}", pg_url, namespace, chromium, run, pay, shots))
-    finally:
-        up.send_signal(signal.SIGTERM)
-        out, _ = up.communicate(timeout=60)
-    assert up.returncode == 0, out
-    stopped = out.strip().splitlines()[-1]
-    assert stopped.startswith("stopped:") and all(part.endswith("=0") for part in stopped[9:].split(", ")), stopped

@@ -6,9 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +16,7 @@ from cli.common import ensure_topics
 from cli.main import app
 from log import open_log
 from schemas import events as ev
+from tests.logctl_up import logctl_up
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -46,17 +44,12 @@ async def _kv_counts(pg_url: str, namespace: str) -> tuple[int, int]:
 def test_up_with_the_cache_manager_runs_sessions_and_stops_cleanly(pg_url: str, namespace: str, tmp_path: Path) -> None:
     env = {**os.environ, "AGENTLOG_NAMESPACE": namespace, "AGENTLOG_LEDGER_URL": pg_url}
     ensure_topics(pg_url, namespace=namespace)
-    argv = [sys.executable, "-c", "from cli.main import app; app()", "up", "--log-url", pg_url,
-            "--time-scale", "0.05", "--work-dir", str(tmp_path), "--cache-manager",
-            "--gpu-blocks", "256", "--host-blocks", "64"]  # fmt: skip
-    up = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert up.stdout is not None
-        names = []
-        while not (line := up.stdout.readline()).startswith("running"):
-            assert line, f"logctl up exited early: {names}"
-            names.append(line.split()[0])
-        assert {"engine-bridge", "cache-manager", "planner-0", "decider", "executor"} <= set(names)
+    flags = ["--time-scale", "0.05", "--work-dir", str(tmp_path), "--cache-manager", "--gpu-blocks", "256",
+             "--host-blocks", "64"]  # fmt: skip
+    # Leaving the block stops the stack with SIGTERM (a process manager's stop, not only Ctrl-C),
+    # which must drain every process.
+    with logctl_up(pg_url, *flags, env=env) as stack:
+        assert {"engine-bridge", "cache-manager", "planner-0", "decider", "executor"} <= stack.names
 
         ran = CliRunner().invoke(
             app,
@@ -76,10 +69,3 @@ def test_up_with_the_cache_manager_runs_sessions_and_stops_cleanly(pg_url: str, 
             time.sleep(0.5)
         events, decisions = counts
         assert events >= 6 and decisions >= 3, counts
-    finally:
-        # SIGTERM (a process manager's stop), not only Ctrl-C, drains every process before exiting.
-        up.send_signal(signal.SIGTERM)
-        out, _ = up.communicate(timeout=60)
-    assert up.returncode == 0, out
-    stopped = out.strip().splitlines()[-1]
-    assert stopped.startswith("stopped:") and all(part.endswith("=0") for part in stopped[9:].split(", ")), stopped

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from typer.testing import CliRunner
 
 from cli.common import ensure_topics
 from cli.main import app
+from tests.logctl_up import logctl_up
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -80,17 +80,11 @@ def test_every_worker_serves_what_the_log_holds(pg_url: str, namespace: str, tmp
     env.pop("AGENTLOG_METRICS_PORT", None)
     ensure_topics(pg_url, namespace=namespace)
     base = free_ports(len(WORKERS))
-    argv = [sys.executable, "-c", "from cli.main import app; app()", "up", "--log-url", pg_url,
-            "--time-scale", "0.05", "--work-dir", str(tmp_path), "--cache-manager",
-            "--gpu-blocks", "256", "--host-blocks", "64", "--metrics-port", str(base)]  # fmt: skip
-    up = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert up.stdout is not None
-        urls: dict[str, str] = {}
-        while not (line := up.stdout.readline()).startswith("running"):
-            assert line, f"logctl up exited early: {urls}"
-            if (m := re.search(r"metrics (http://\S+)/metrics", line)) is not None:
-                urls[line.split()[0]] = m.group(1)
+    flags = ["--time-scale", "0.05", "--work-dir", str(tmp_path), "--cache-manager", "--gpu-blocks", "256",
+             "--host-blocks", "64", "--metrics-port", str(base)]  # fmt: skip
+    with logctl_up(pg_url, *flags, env=env) as stack:
+        urls = {line.split()[0]: m.group(1) for line in stack.started
+                if (m := re.search(r"metrics (http://\S+)/metrics", line)) is not None}  # fmt: skip
         assert set(urls) == set(WORKERS), urls  # the engine is not a worker: it has /stats
 
         ran = CliRunner().invoke(
@@ -133,10 +127,6 @@ def test_every_worker_serves_what_the_log_holds(pg_url: str, namespace: str, tmp
             assert status == 200, (name, body)
             health = json.loads(body)
             assert health["status"] == "live" and health["role"] == name.split("-0")[0], health
-    finally:
-        up.send_signal(signal.SIGTERM)
-        out, _ = up.communicate(timeout=60)
-    assert up.returncode == 0, out
 
 
 def test_a_worker_whose_metrics_port_is_taken_stops_with_one_line(pg_url: str, namespace: str) -> None:
