@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
+import kafka
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.admin import KafkaAdminClient
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
@@ -36,6 +38,7 @@ RECONNECT_BACKOFF_MAX_MS = 1000
 is down, so a broker back after a 10 s restart was reached again only up to 30 s later (the
 chaos bench measured a median recovery of 36-76 s)."""
 _POLL_BATCH = 2000
+_log = logging.getLogger(__name__)
 
 
 def security_config() -> dict[str, Any]:
@@ -206,6 +209,7 @@ class KafkaBackend(KafkaCluster, Backend):
             )
         except KafkaError as e:
             raise BackendUnavailable(f"cannot reach Kafka at {self.bootstrap}: {e}") from e
+        _log.info("producing to %s with kafka-python %s", self.bootstrap, kafka.__version__)
 
     async def close(self) -> None:
         if self._producer is not None:
