@@ -253,6 +253,13 @@ class SessionState:
     (services/resources.py): released when the session ends, never forgotten until then."""
     gateway_ended: ev.GatewaySessionEnded | None = None
     """Why the gateway ended the session (idle or finished by its client); the planner finishes it."""
+    routes: dict[str, ev.EngineRouted] = field(default_factory=dict)
+    """The latest route of each LLM call (its engine and model size; a failover replaces it), by call id."""
+    route_history: list[ev.EngineRouted] = field(default_factory=list)
+    """Every route in log order, failovers included (what ``logctl audit --routes`` shows)."""
+    model_pin: str | None = None
+    """The model size an operator pinned the session to (``ModelPinRequested``), or None."""
+    pins: list[ev.ModelPinRequested] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.context_id = self.context_id or self.session_id
@@ -437,6 +444,14 @@ def _evolve(state: SessionState, body: ev.Event) -> None:
         case ev.ApprovalGiven():
             if tool := _tool(state, body.call_id, body):
                 tool.approvals.append(body)
+        case ev.EngineRouted():
+            state.route_history.append(body)
+            current = state.routes.get(body.call_id)
+            if current is None or body.attempt >= current.attempt:
+                state.routes[body.call_id] = body
+        case ev.ModelPinRequested():
+            state.model_pin = body.size
+            state.pins.append(body)
         case _:
             pass  # KV, cache, checkpoint and DLQ events do not change the program's state
 

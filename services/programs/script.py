@@ -49,7 +49,7 @@ class ScriptProgram:
         if "llm" in step:
             spec = step["llm"]
             prompt = (*_context(view), TokenRun(f"{view.context_id}:prompt:{view.step}", int(spec["prompt_tokens"])))
-            return CallLLM(Prompt(prompt), int(spec.get("output_tokens", 16)))
+            return CallLLM(Prompt(prompt), int(spec.get("output_tokens", 16)), size=spec.get("size"))
         if "tool" in step:
             return CallTool(str(step["tool"]), dict(step.get("arguments", {})), step.get("resource"))
         if "checkpoint" in step:
