@@ -1,7 +1,8 @@
 """The ``script`` program: a fixed list of steps, for tests, demos and operators' dry runs.
 
 Arguments: ``{"steps": [...]}`` where each step is
-``{"llm": {"prompt_tokens": n, "output_tokens": m}}`` or
+``{"llm": {"prompt_tokens": n, "output_tokens": m}}`` (with ``"size": "small"`` or
+``"large"``: the model size the step declares, for a stack with engines of both sizes) or
 ``{"tool": "<name>", "arguments": {...}}``, ``{"checkpoint": true}`` (a checkpoint
 here) or ``{"fork": [{"steps": [...]}, ...]}`` (one branch per entry, each running
 the steps so far and then its own; the step's result is the merge of their

@@ -1,0 +1,208 @@
+"""Several engines behind one planner, on the real processes and a real Kafka broker.
+
+Each test starts the stack (``cli.stack.Stack``: sim engines, each with its bridge, the planner,
+decider, executor and the cache manager) on the shared broker in a namespace of its own, runs
+script sessions through ``logctl run`` and reads the log and the engines' ``/stats`` back:
+
+- cache locality: a session's calls after a tool gap go to the engine that holds its blocks, which
+  serves their prefix from its cache;
+- failover: a SIGKILLed engine's sessions move to the other engine (reason ``failover``), which
+  computes each moved call once, and every session finishes;
+- model size: steps that declare ``small`` go to the small engine, the others to the large one, an
+  operator's ``logctl pin-model`` is obeyed from the next call, and ``logctl audit --routes`` shows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.common import ensure_topics
+from cli.main import app
+from cli.stack import Stack
+from log import open_log
+from schemas import events as ev
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def script(*steps: dict[str, Any]) -> dict[str, Any]:
+    return {"steps": list(steps)}
+
+
+def llm(prompt: int, output: int = 8, **extra: Any) -> dict[str, Any]:
+    return {"llm": {"prompt_tokens": prompt, "output_tokens": output, **extra}}
+
+
+def sleep(seconds: float) -> dict[str, Any]:
+    return {"tool": "sleep", "arguments": {"seconds": seconds}}
+
+
+class Routed:
+    """The stack of one test and what its log says."""
+
+    def __init__(self, kafka: str, namespace: str, work: Path, **stack: Any) -> None:
+        self.log_url = f"kafka://{kafka}"
+        self.namespace = namespace
+        env = {"AGENTLOG_NAMESPACE": namespace, "AGENTLOG_LOG_LEVEL": "INFO", "AGENTLOG_ENGINE_DOWN_S": "60"}
+        ensure_topics(self.log_url, namespace=namespace)
+        self.stack = Stack(self.log_url, work, extra_env=env, cache_manager=True, num_engines=2, **stack)
+
+    def run(self, args: dict[str, Any], *, sessions: int, prefix: str, wait: bool = True) -> list[str]:
+        argv = ["run", "script", "--log-url", self.log_url, "-n", str(sessions), "--args", json.dumps(args)]
+        argv += ["--prefix", prefix, "--timeout", "90"]
+        if not wait:
+            argv.append("--no-wait")
+        ran = CliRunner().invoke(app, argv, env={"AGENTLOG_NAMESPACE": self.namespace})
+        assert ran.exit_code == 0, ran.output + self.tails()
+        return [f"{prefix}-{i:04d}" for i in range(sessions)]
+
+    def cli(self, *argv: str) -> str:
+        ran = CliRunner().invoke(app, [*argv, "--log-url", self.log_url], env={"AGENTLOG_NAMESPACE": self.namespace})
+        assert ran.exit_code == 0, ran.output
+        return ran.output
+
+    def actions(self) -> dict[str, list[ev.Event]]:
+        """Every session's agent.actions bodies, in log order."""
+
+        async def read() -> dict[str, list[ev.Event]]:
+            out: dict[str, list[ev.Event]] = defaultdict(list)
+            async with open_log(self.log_url, actor="auditor", namespace=self.namespace) as log:
+                for partition, end in (await log.end_offsets("agent.actions")).items():
+                    async for record in log.scan("agent.actions", partition, 0, end):
+                        envelope = log.decode(record)
+                        out[envelope.session_id].append(envelope.body)
+            return out
+
+        return asyncio.run(read())
+
+    def wait_until(self, done: Any, what: str, timeout_s: float = 60) -> dict[str, list[ev.Event]]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            actions = self.actions()
+            if done(actions):
+                return actions
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} within {timeout_s:g} s\n{self.tails()}")
+            time.sleep(0.3)
+
+    def engine_stats(self, index: int) -> dict[str, Any]:
+        with urllib.request.urlopen(f"{self.stack.url_of(index)}/stats", timeout=5) as response:
+            stats: dict[str, Any] = json.loads(response.read())
+            return stats
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {n}\n{p.log_tail(15)}" for n, p in self.stack.processes.items())
+
+
+def of(bodies: list[ev.Event], kind: type[ev.Model]) -> list[Any]:
+    return [b for b in bodies if isinstance(b, kind)]
+
+
+def finished(sessions: list[str]) -> Any:
+    return lambda actions: all(of(actions.get(s, []), ev.SessionFinished) for s in sessions)
+
+
+def test_calls_after_a_tool_gap_go_to_the_engine_that_holds_the_sessions_blocks(
+    kafka_bootstrap: str, namespace: str, tmp_path: Path
+) -> None:
+    routed = Routed(kafka_bootstrap, namespace, tmp_path, time_scale=0.2)
+    steps = script(llm(400), sleep(1.5), llm(32), sleep(1.5), llm(32))
+    with routed.stack:
+        sessions = routed.run(steps, sessions=4, prefix=f"loc-{uuid.uuid4().hex[:4]}")
+        actions = routed.wait_until(finished(sessions), "every session finished")
+    first_engines = set()
+    for sid in sessions:
+        bodies = actions[sid]
+        routes = of(bodies, ev.EngineRouted)
+        completed = of(bodies, ev.LLMCallCompleted)
+        assert [r.call_id for r in routes] == ["llm-0", "llm-2", "llm-4"], routes
+        home = routes[0].engine_id
+        first_engines.add(home)
+        # After each gap: the engine of its blocks, chosen for them, and it served the prefix from its cache.
+        for route, done in zip(routes[1:], completed[1:], strict=True):
+            assert (route.engine_id, route.reason) == (home, "locality"), route
+            assert route.expected_cached_tokens >= 400 and route.expected_recompute_tokens < route.prompt_tokens
+            assert done.engine_id == home and done.cached_tokens >= 400, done
+        # LLMCallStarted names the routed engine.
+        assert [s.engine_id for s in of(bodies, ev.LLMCallStarted)] == [home] * 3
+    # Every call was computed once, on the engine the log says served it.
+    served = sum(routed_engine["num_served"] for routed_engine in (routed.engine_stats(0), routed.engine_stats(1)))
+    assert served == 3 * len(sessions)
+
+
+def test_a_killed_engines_sessions_move_to_the_other_and_recompute_once(
+    kafka_bootstrap: str, namespace: str, tmp_path: Path
+) -> None:
+    routed = Routed(kafka_bootstrap, namespace, tmp_path, time_scale=1.0)
+    steps = script(llm(400), sleep(4), llm(32), sleep(0.2), llm(32))
+    with routed.stack:
+        sessions = routed.run(steps, sessions=4, prefix=f"fo-{uuid.uuid4().hex[:4]}", wait=False)
+        actions = routed.wait_until(
+            lambda a: all(of(a.get(s, []), ev.LLMCallCompleted) for s in sessions), "every first call answered"
+        )
+        homes = {s: of(actions[s], ev.LLMCallCompleted)[0].engine_id for s in sessions}
+        victim = sorted(homes.values())[0]  # an engine that holds at least one session
+        victim_index = int(victim.rsplit("-", 1)[1])
+        survivor_index = 1 - victim_index
+        survivor = routed.stack.engine_id(survivor_index)
+        before = routed.engine_stats(survivor_index)["num_served"]
+        routed.stack.processes["engine" if victim_index == 0 else f"engine-{victim_index}"].kill()
+        actions = routed.wait_until(finished(sessions), "every session finished after the kill", timeout_s=90)
+        after = routed.engine_stats(survivor_index)
+    moved = [s for s in sessions if homes[s] == victim]
+    assert moved
+    for sid in moved:
+        routes = of(actions[sid], ev.EngineRouted)
+        failovers = [r for r in routes if r.reason == "failover"]
+        assert len(failovers) == 1, routes
+        (failover,) = failovers
+        assert (failover.call_id, failover.engine_id, failover.failed_engine_id) == ("llm-2", survivor, victim)
+        assert failover.attempt == 1 and failover.request_id == routes[1].request_id  # the same request
+        completed = of(actions[sid], ev.LLMCallCompleted)
+        assert [c.engine_id for c in completed] == [victim, survivor, survivor]
+        # Recomputed once on the survivor (nothing of it cached there), then its prefix is there.
+        assert completed[1].cached_tokens == 0 and completed[2].cached_tokens >= 400
+        assert routes[-1].engine_id == survivor and routes[-1].reason == "locality"
+    # The survivor computed each call it served exactly once: the moved sessions' two calls each,
+    # and the two remaining calls of the sessions that were at home there.
+    stayed = [s for s in sessions if homes[s] == survivor]
+    assert after["num_served"] - before == 2 * len(moved) + 2 * len(stayed)
+    assert after["num_replayed"] == 0
+
+
+def test_the_small_and_large_choice_follows_the_program_and_an_operator_pin(
+    kafka_bootstrap: str, namespace: str, tmp_path: Path
+) -> None:
+    routed = Routed(kafka_bootstrap, namespace, tmp_path, time_scale=1.0, engine_sizes=["large", "small"])
+    steps = script(llm(64, size="small"), sleep(0.2), llm(64), sleep(4), llm(32, size="small"), sleep(0.2), llm(16))
+    with routed.stack:
+        (free, pinned) = routed.run(steps, sessions=2, prefix=f"sz-{uuid.uuid4().hex[:4]}", wait=False)
+        # Pin the second session to the large model while it waits in its long tool gap.
+        routed.wait_until(lambda a: len(of(a.get(pinned, []), ev.LLMCallCompleted)) >= 2, "two calls answered")
+        assert "pinned to large" in routed.cli("pin-model", pinned, "large", "--reason", "needs the big one")
+        actions = routed.wait_until(finished([free, pinned]), "both sessions finished")
+        audit = json.loads(routed.cli("audit", "--routes", "--json"))
+        table = routed.cli("audit", "--routes", "--session", pinned)
+    sizes = {"sim-0": "large", "sim-1": "small"}
+    free_routes = of(actions[free], ev.EngineRouted)
+    assert [r.model_size for r in free_routes] == ["small", "large", "small", "large"], free_routes
+    assert all(sizes[r.engine_id] == r.model_size for r in free_routes)
+    assert [c.engine_id for c in of(actions[free], ev.LLMCallCompleted)] == [r.engine_id for r in free_routes]
+    pinned_routes = of(actions[pinned], ev.EngineRouted)
+    assert [r.model_size for r in pinned_routes] == ["small", "large", "large", "large"], pinned_routes
+    assert "pin" in pinned_routes[2].size_reason and pinned_routes[2].engine_id == "sim-0"
+    # logctl audit --routes shows every route with its size and why, and the pin.
+    rows = [r for r in audit if r["session_id"] == pinned]
+    assert [r["model_size"] for r in rows if r.get("pin") is None] == ["small", "large", "large", "large"]
+    assert [(r["pin"], r["reason"]) for r in rows if r.get("pin") is not None] == [("large", "needs the big one")]
+    assert "pinned to large" in table and "sim-1" in table and "4 routes, 1 pins" in table
