@@ -475,38 +475,39 @@ class PlannerWorker(SessionWorker):
         loop = asyncio.get_running_loop()
         route = state.routes.get(move.call_id)
         if route is None and move.resume and pool.knows(engine := state.llm_calls[move.call_id].started.engine_id):
-            engine_id, attempt, size = engine, -1, None  # started before it was routed: its engine's record
+            engine_id, attempt = engine, -1  # started before it was routed: its engine answers from its record
         else:
             if route is None:
                 route = await self._route(state, move, attempt=0)
-            engine_id, attempt, size = route.engine_id, route.attempt, route
+            engine_id, attempt = route.engine_id, route.attempt
         if not move.resume:
             await self._append_all(decide(state, move, engine_id=ev.EngineId(engine_id), tools=self.tools))
             crash_point("planner.after_llm_started")
         priority = self.priority(state)
         deadline = loop.time() + self.engine_patience_s
         waits = 0
-        tokens = move.prompt.num_tokens
         while True:
             if not pool.knows(engine_id):  # a route recorded by a planner with other engines
-                route = await self._route(state, move, attempt=attempt + 1, failed=engine_id, size=size)
-                engine_id, attempt, size = route.engine_id, route.attempt, route
+                route = await self._route(state, move, attempt=attempt + 1, failed=engine_id, keep=route)
+                engine_id, attempt = route.engine_id, route.attempt
                 continue
-            pool.begin(engine_id, tokens)
+            # An engine's queue, as far as this planner knows: the prompt tokens its calls in flight
+            # there must compute (what the router expected; all of them for a call it did not route).
+            asked, tokens = engine_id, route.expected_recompute_tokens if route is not None else move.prompt.num_tokens
+            pool.begin(asked, tokens)
             try:
-                completion = await self._ask(pool.client(engine_id), sid, move, priority)
+                completion = await self._ask(pool.client(asked), sid, move, priority)
             except EngineUnavailable as e:
                 now = loop.time()
-                pool.mark_down(engine_id, now)
-                if any(i.healthy for i in pool.infos(now, exclude=[engine_id])):
-                    _log.warning("engine %s unavailable (%s); %s fails over", engine_id, e, move.request_id)
-                    route = await self._route(state, move, attempt=attempt + 1, failed=engine_id, size=size)
-                    engine_id, attempt, size = route.engine_id, route.attempt, route
+                pool.mark_down(asked, now)
+                if any(i.healthy for i in pool.infos(now, exclude=[asked])):
+                    _log.warning("engine %s unavailable (%s); %s fails over", asked, e, move.request_id)
+                    route = await self._route(state, move, attempt=attempt + 1, failed=asked, keep=route)
+                    engine_id, attempt = route.engine_id, route.attempt
                     continue
                 if now >= deadline:
-                    await self._append_all(
-                        [engine_failed(state, f"no engine reachable for {self.engine_patience_s:g} s: {e}")]
-                    )
+                    reason = f"no engine reachable for {self.engine_patience_s:g} s: {e}"
+                    await self._append_all([engine_failed(state, reason)])
                     return
                 delay = ENGINE_RETRY_S[min(waits, len(ENGINE_RETRY_S) - 1)]
                 _log.warning("no engine reachable (%s); retrying %s in %.1f s", e, move.request_id, delay)
@@ -517,23 +518,29 @@ class PlannerWorker(SessionWorker):
                 await self._append_all([engine_failed(state, str(e))])
                 return
             finally:
-                pool.end(engine_id, tokens)
-            pool.mark_up(engine_id)
+                pool.end(asked, tokens)
+            pool.mark_up(asked)
             await self._completed(state, move, completion)
             return
 
     async def _route(
-        self, state: SessionState, move: CallEngine, *, attempt: int, failed: str | None = None, size: Any = None
+        self,
+        state: SessionState,
+        move: CallEngine,
+        *,
+        attempt: int,
+        failed: str | None = None,
+        keep: ev.EngineRouted | None = None,
     ) -> ev.EngineRouted:
-        """Choose the size (unless a failover keeps ``size``'s) and the engine; append ``EngineRouted``."""
+        """Choose the size (a failover keeps ``keep``'s) and the engine; append ``EngineRouted``."""
         from services.routing import CallRequest, SizeChoice, choose_size
 
         pool = self.pool
         assert pool is not None
         now = asyncio.get_running_loop().time()
         sid = state.session_id
-        if size is not None:
-            choice = SizeChoice(size.model_size, size.size_reason)
+        if keep is not None:
+            choice = SizeChoice(keep.model_size, keep.size_reason)
         else:
             program = self.programs.get(state.program)
             choice = choose_size(
@@ -554,6 +561,11 @@ class PlannerWorker(SessionWorker):
         if failed and not any(e.healthy for e in engines):
             engines = pool.infos(now, exclude=exclude)  # none of that size is up: any size that is
         chosen = self.router.route(call, engines)
+        reason = "failover" if failed else None
+        if not failed:
+            # The engine that holds the session's prefix is known to be down: moving off it is a failover.
+            failed = next((e for e in cached if e != chosen.engine_id and not pool.healthy(e, now)), None)
+            reason = "failover" if failed else None
         body = routed(
             call_id=move.call_id,
             request_id=move.request_id,
@@ -564,7 +576,7 @@ class PlannerWorker(SessionWorker):
             cached=cached,
             size=choice,
             failed_engine_id=failed,
-            reason="failover" if failed else None,
+            reason=reason,
         )
         await self.append(sid, body, kind="routed", key=f"{move.call_id}/{attempt}")
         return body

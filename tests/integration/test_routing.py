@@ -120,14 +120,13 @@ def test_calls_after_a_tool_gap_go_to_the_engine_that_holds_the_sessions_blocks(
     with routed.stack:
         sessions = routed.run(steps, sessions=4, prefix=f"loc-{uuid.uuid4().hex[:4]}")
         actions = routed.wait_until(finished(sessions), "every session finished")
-    first_engines = set()
+        stats = [routed.engine_stats(0), routed.engine_stats(1)]
     for sid in sessions:
         bodies = actions[sid]
         routes = of(bodies, ev.EngineRouted)
         completed = of(bodies, ev.LLMCallCompleted)
         assert [r.call_id for r in routes] == ["llm-0", "llm-2", "llm-4"], routes
         home = routes[0].engine_id
-        first_engines.add(home)
         # After each gap: the engine of its blocks, chosen for them, and it served the prefix from its cache.
         for route, done in zip(routes[1:], completed[1:], strict=True):
             assert (route.engine_id, route.reason) == (home, "locality"), route
@@ -136,8 +135,7 @@ def test_calls_after_a_tool_gap_go_to_the_engine_that_holds_the_sessions_blocks(
         # LLMCallStarted names the routed engine.
         assert [s.engine_id for s in of(bodies, ev.LLMCallStarted)] == [home] * 3
     # Every call was computed once, on the engine the log says served it.
-    served = sum(routed_engine["num_served"] for routed_engine in (routed.engine_stats(0), routed.engine_stats(1)))
-    assert served == 3 * len(sessions)
+    assert sum(s["num_served"] for s in stats) == 3 * len(sessions) and sum(s["num_replayed"] for s in stats) == 0
 
 
 def test_a_killed_engines_sessions_move_to_the_other_and_recompute_once(
@@ -167,12 +165,17 @@ def test_a_killed_engines_sessions_move_to_the_other_and_recompute_once(
         assert len(failovers) == 1, routes
         (failover,) = failovers
         assert (failover.call_id, failover.engine_id, failover.failed_engine_id) == ("llm-2", survivor, victim)
-        assert failover.attempt == 1 and failover.request_id == routes[1].request_id  # the same request
+        # Either its call found the engine dead (a second route of the same request), or another
+        # session's call had found it dead already (its first route avoids it).
+        if failover.attempt == 1:
+            assert [(r.call_id, r.engine_id) for r in routes[1:3]] == [("llm-2", victim), ("llm-2", survivor)]
+        else:
+            assert failover.attempt == 0 and routes[1] is failover
         completed = of(actions[sid], ev.LLMCallCompleted)
         assert [c.engine_id for c in completed] == [victim, survivor, survivor]
         # Recomputed once on the survivor (nothing of it cached there), then its prefix is there.
         assert completed[1].cached_tokens == 0 and completed[2].cached_tokens >= 400
-        assert routes[-1].engine_id == survivor and routes[-1].reason == "locality"
+        assert routes[-1].engine_id == survivor and routes[-1].reason in ("locality", "only")  # the other is down
     # The survivor computed each call it served exactly once: the moved sessions' two calls each,
     # and the two remaining calls of the sessions that were at home there.
     stayed = [s for s in sessions if homes[s] == survivor]
