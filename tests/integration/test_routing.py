@@ -209,3 +209,55 @@ def test_the_small_and_large_choice_follows_the_program_and_an_operator_pin(
     assert [r["model_size"] for r in rows if r.get("pin") is None] == ["small", "large", "large", "large"]
     assert [(r["pin"], r["reason"]) for r in rows if r.get("pin") is not None] == [("large", "needs the big one")]
     assert "pinned to large" in table and "sim-1" in table and "4 routes, 1 pins" in table
+
+
+def test_logctl_up_starts_an_engine_and_a_bridge_per_engine_and_decisions_name_their_engine(
+    kafka_bootstrap: str, namespace: str, tmp_path: Path
+) -> None:
+    import os
+
+    from tests.logctl_up import logctl_up
+
+    log_url = f"kafka://{kafka_bootstrap}"
+    env = {**os.environ, "AGENTLOG_NAMESPACE": namespace}
+    env.pop("AGENTLOG_KAFKA_CREDENTIALS", None)
+    ensure_topics(log_url, namespace=namespace)
+    flags = ["--insecure", "--time-scale", "0.2", "--work-dir", str(tmp_path), "--cache-manager", "--engines", "2",
+             "--engine-sizes", "large,small"]  # fmt: skip
+    with logctl_up(log_url, *flags, env=env) as up:
+        assert {"engine", "engine-1", "engine-bridge", "engine-bridge-1", "cache-manager", "planner-0"} <= up.names
+        engines = [line.split()[1:3] for line in up.started if line.startswith("engine ") and "sim-" in line]
+        assert [e[1] for e in engines] == ["(sim-0,", "(sim-1,"], up.started
+        # Sessions that declare the small model for every step, and sessions that declare nothing:
+        # the small engine serves the first, the large one the others, whatever the router prefers.
+        for size in ("small", None):
+            extra = {"size": size} if size else {}
+            steps = script(llm(200, **extra), sleep(1), llm(16, **extra))
+            ran = CliRunner().invoke(
+                app,
+                ["run", "script", "--log-url", log_url, "-n", "3", "--args", json.dumps(steps), "--json"],
+                env={"AGENTLOG_NAMESPACE": namespace},
+            )
+            assert ran.exit_code == 0, ran.output
+            assert json.loads(ran.output.strip().splitlines()[-1])["finished"] == 3
+
+        async def kv() -> tuple[set[str], set[str]]:
+            stored: set[str] = set()
+            decided: set[str] = set()
+            async with open_log(log_url, actor="auditor", namespace=namespace) as log:
+                for topic in ("kv.events", "kv.decisions"):
+                    for partition, end in (await log.end_offsets(topic)).items():
+                        async for record in log.scan(topic, partition, 0, end):
+                            body = log.decode(record).body
+                            if isinstance(body, ev.KVBlocksStored):
+                                stored.add(body.engine_id)
+                            if isinstance(body, ev.CacheDecisionMade):
+                                decided.add(body.engine_id)
+            return stored, decided
+
+        # Both engines served calls, each bridge carried its engine's KV events in, and the cache
+        # manager decided for each engine's sessions, naming the engine.
+        deadline = time.monotonic() + 30
+        while (found := asyncio.run(kv())) != ({"sim-0", "sim-1"}, {"sim-0", "sim-1"}):
+            assert time.monotonic() < deadline, found
+            time.sleep(0.5)
