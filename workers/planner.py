@@ -27,7 +27,8 @@ not asked yet), ``planner.after_engine`` (the engine answered, the output is
 not logged yet), ``planner.after_llm_completed``, ``planner.after_proposed``,
 ``planner.after_checkpoint``, ``planner.after_compensations`` (proposed, the
 restore not applied yet), ``planner.before_restore``, ``planner.before_merge``
-(branches read, the merge not appended yet), ``planner.after_branches``.
+(branches read, the merge not appended yet), ``planner.after_branches``, ``planner.after_routed``
+(several engines: the route is logged, the call not started yet).
 
 **Program-level scheduling.** With ``--scheduling plas`` every engine request carries the call's
 ``priority`` (``services.scheduling``: its program's attained service on the critical path, from
@@ -579,6 +580,7 @@ class PlannerWorker(SessionWorker):
             reason=reason,
         )
         await self.append(sid, body, kind="routed", key=f"{move.call_id}/{attempt}")
+        crash_point("planner.after_routed")
         return body
 
     def _learn(self, state: SessionState) -> None:

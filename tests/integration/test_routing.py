@@ -261,3 +261,37 @@ def test_logctl_up_starts_an_engine_and_a_bridge_per_engine_and_decisions_name_t
         while (found := asyncio.run(kv())) != ({"sim-0", "sim-1"}, {"sim-0", "sim-1"}):
             assert time.monotonic() < deadline, found
             time.sleep(0.5)
+
+
+@pytest.mark.parametrize("crash_at", ["planner.after_routed:3", "planner.after_engine:3"])
+def test_a_planner_killed_around_a_routed_call_completes_it_on_its_engine_once(
+    crash_at: str, kafka_bootstrap: str, namespace: str, tmp_path: Path
+) -> None:
+    """Residual completion holds with routing: after a SIGKILL between the route and the call, or
+    between the engine's answer and its record, the restarted planner sends the call where its route
+    says (no second route), and that engine answers a repeated request from its record."""
+    routed = Routed(kafka_bootstrap, namespace, tmp_path, time_scale=0.2)
+    steps = script(llm(300), sleep(0.5), llm(32), sleep(0.5), llm(32))
+    stack = routed.stack
+    stack.cache_manager = False
+    with stack:
+        stack.processes["planner-0"].stop()
+        stack.start_process("planner-0", {"AGENTLOG_CRASH_AT": crash_at})
+        sessions = routed.run(steps, sessions=2, prefix=f"cr-{uuid.uuid4().hex[:4]}", wait=False)
+        deadline = time.monotonic() + 60
+        while stack.processes["planner-0"].alive():
+            assert time.monotonic() < deadline, routed.tails()
+            time.sleep(0.2)
+        assert "crash point" in stack.processes["planner-0"].log_tail(40)
+        stack.start_process("planner-0")
+        actions = routed.wait_until(finished(sessions), "every session finished after the restart")
+        stats = [routed.engine_stats(0), routed.engine_stats(1)]
+    for sid in sessions:
+        routes = of(actions[sid], ev.EngineRouted)
+        assert [r.call_id for r in routes] == ["llm-0", "llm-2", "llm-4"], routes  # one route per call
+        completed = of(actions[sid], ev.LLMCallCompleted)
+        assert [c.engine_id for c in completed] == [r.engine_id for r in routes]
+    # No call computed twice: every call once, and the one caught after the engine answered is
+    # answered from that engine's record.
+    assert sum(s["num_served"] for s in stats) == 3 * len(sessions)
+    assert sum(s["num_replayed"] for s in stats) == (1 if crash_at.startswith("planner.after_engine") else 0)
