@@ -550,9 +550,7 @@ class EngineRouted(Model):
     expected_cached_tokens: int = Field(
         description="Prompt tokens the planner believed the chosen engine holds for the session (from the log)."
     )
-    expected_recompute_tokens: int = Field(
-        description="Prompt tokens the router expects the chosen engine to compute."
-    )
+    expected_recompute_tokens: int = Field(description="Prompt tokens the router expects the chosen engine to compute.")
     model_size: str = Field(description="The model size chosen for the step: small or large.")
     size_reason: str = Field(
         description="Why that size (declared by the program, pinned by an operator, learned from the log, ...)."
