@@ -122,6 +122,8 @@ class LLMCall:
     completed: ev.LLMCallCompleted | None = None
     origin: str | None = None
     """For a fork's inherited call: the session that made it (None: this session)."""
+    completed_at: datetime | None = None
+    """When its completion was logged (the engine holds its context from then on)."""
 
 
 @dataclass
@@ -307,7 +309,7 @@ class SessionState:
         origin = base.session_id
         for llm in base.llm_calls.values():
             self.llm_calls.setdefault(
-                llm.call_id, LLMCall(llm.call_id, llm.started, llm.completed, llm.origin or origin)
+                llm.call_id, LLMCall(llm.call_id, llm.started, llm.completed, llm.origin or origin, llm.completed_at)
             )
         for tool in base.tool_calls.values():
             if tool.call_id.startswith(COMPENSATION_PREFIX) or tool.call_id in self.tool_calls:
@@ -345,6 +347,8 @@ class SessionState:
             res.evolve(self.resources, envelope.body, envelope.occurred_at)
             return True
         _evolve(self, envelope.body)
+        if isinstance(envelope.body, ev.LLMCallCompleted) and (call := self.llm_calls.get(envelope.body.call_id)):
+            call.completed_at = call.completed_at or envelope.occurred_at
         if isinstance(envelope.body, ev.ToolCallProposed):
             self.tool_calls[envelope.body.call_id].proposed_at = envelope.occurred_at
             for body in self.early.pop(envelope.body.call_id, []):

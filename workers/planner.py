@@ -83,7 +83,7 @@ from services.decide import (
     restore_applied,
 )
 from services.gateway import adopt
-from services.placement import learn, prefix_on, routed
+from services.placement import last_call, learn, prefix_on, routed
 from services.planning import (
     ApplyRestore,
     CallEngine,
@@ -107,6 +107,7 @@ from services.registry import Registry
 from services.replay import cut_events
 from services.scheduling import SchedulingConfig, call_priority, program_progress
 from services.session import GATEWAY_PROGRAM, SessionState, ToolCall, ToolStatus, step_of
+from workers.cache_view import CacheDecisions
 from workers.config import SCHEDULING_MODES, log_namespace, scheduling_config, snapshot_url
 from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable
@@ -152,7 +153,9 @@ class PlannerWorker(SessionWorker):
         self.router: Any = None
         self.size_stats: Any = None
         self._learned: set[str] = set()  # finished sessions whose calls the size stats have
+        self.cache_view: CacheDecisions | None = None
         if pool is not None:
+            self.cache_view = CacheDecisions(log)
             from services.routing import SizeStats, make_router
 
             self.router = make_router(router)
@@ -553,7 +556,7 @@ class PlannerWorker(SessionWorker):
                 retry=_after_failed_tool(state, move.call_id),
                 available=pool.sizes(now),
             )
-        cached = prefix_on(state)
+        cached = prefix_on(state, await self._dropped(state))
         call = CallRequest(
             sid, move.prompt.num_tokens, cached, parent_session_id=state.parent_session_id, size=choice.size
         )
@@ -582,6 +585,17 @@ class PlannerWorker(SessionWorker):
         await self.append(sid, body, kind="routed", key=f"{move.call_id}/{attempt}")
         crash_point("planner.after_routed")
         return body
+
+    async def _dropped(self, state: SessionState) -> list[str]:
+        """The engine of the session's last call, if the cache manager discarded its prefix there
+        since (a fork's inherited call: its parent's decisions)."""
+        call = last_call(state)
+        if self.cache_view is None or call is None or call.completed is None:
+            return []
+        owner = call.origin or state.session_id
+        await self.cache_view.refresh(self.log.partition_for(owner))
+        engine = call.completed.engine_id
+        return [engine] if self.cache_view.dropped(owner, engine, call.completed_at) else []
 
     def _learn(self, state: SessionState) -> None:
         """A finished session's routed calls teach the size stats (once per session)."""
