@@ -138,6 +138,23 @@ def test_calls_after_a_tool_gap_go_to_the_engine_that_holds_the_sessions_blocks(
     assert sum(s["num_served"] for s in stats) == 3 * len(sessions) and sum(s["num_replayed"] for s in stats) == 0
 
 
+def test_a_forks_first_call_goes_where_its_parent_ran(kafka_bootstrap: str, namespace: str, tmp_path: Path) -> None:
+    routed = Routed(kafka_bootstrap, namespace, tmp_path, time_scale=0.2)
+    steps = script(llm(400), sleep(0.5), {"fork": [{"steps": [llm(32)]}, {"steps": [llm(48)]}]}, llm(16))
+    with routed.stack:
+        (parent,) = routed.run(steps, sessions=1, prefix=f"fk-{uuid.uuid4().hex[:4]}")
+        actions = routed.wait_until(finished([parent]), "the parent finished")
+    home = of(actions[parent], ev.EngineRouted)[0].engine_id
+    branches = sorted(s for s in actions if s.startswith(f"{parent}."))
+    assert len(branches) == 2, sorted(actions)
+    for branch in branches:
+        (route,) = of(actions[branch], ev.EngineRouted)  # the inherited call is the parent's, not routed again
+        assert (route.engine_id, route.reason) == (home, "locality"), route
+        assert route.expected_cached_tokens >= 400
+        (done,) = of(actions[branch], ev.LLMCallCompleted)
+        assert done.engine_id == home and done.cached_tokens >= 400, done
+
+
 def test_a_killed_engines_sessions_move_to_the_other_and_recompute_once(
     kafka_bootstrap: str, namespace: str, tmp_path: Path
 ) -> None:
