@@ -305,6 +305,7 @@ def route_rows(state: SessionState) -> list[dict[str, Any]]:
                 "attempt": r.attempt,
                 "engine_id": r.engine_id,
                 "reason": r.reason,
+                "detail": r.detail,
                 "router": r.router,
                 "prompt_tokens": r.prompt_tokens,
                 "expected_cached_tokens": r.expected_cached_tokens,

@@ -545,6 +545,7 @@ class EngineRouted(Model):
     attempt: int = Field(description="0 for the call's first route, 1 for its first failover, and so on.")
     engine_id: str = Field(description="The engine the call is sent to.")
     reason: str = Field(description="Why this engine: only, round_robin, least_loaded, locality, load or failover.")
+    detail: str = Field(description="The router's reason in words (the queue waits and cached tokens it compared).")
     router: str = Field(description="The routing policy that chose (round_robin, least_loaded, locality).")
     prompt_tokens: int = Field(description="Tokens in the call's prompt.")
     expected_cached_tokens: int = Field(

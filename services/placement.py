@@ -57,7 +57,9 @@ def prefix_on(state: SessionState, dropped: Iterable[str] = ()) -> dict[str, int
 
 def learn(state: SessionState, record: Any) -> int:
     """Feed a finished session's routed calls to ``record(program, step, size, retried)``
-    (``SizeStats.record``); how many were recorded. A session not finished records nothing."""
+    (``SizeStats.record``; ``step``: the step's index, as a string); how many were recorded. A
+    session not finished records nothing. The size is the call's latest route's (a failover keeps
+    the size)."""
     if not state.finished or not state.routes:
         return 0
     steps = sorted(state.steps, key=lambda s: step_of(s.call_id))
@@ -72,7 +74,7 @@ def learn(state: SessionState, record: Any) -> int:
         else:
             status = getattr(following, "status", None)
             retried = status in (ToolStatus.FAILED, ToolStatus.ABORTED)
-        record(state.program, step_of(step.call_id), route.model_size, retried)
+        record(state.program, str(step_of(step.call_id)), route.model_size, retried)
         count += 1
     return count
 
@@ -98,6 +100,7 @@ def routed(
         attempt=attempt,
         engine_id=route.engine_id,
         reason=reason or route.reason,
+        detail=str(getattr(route, "detail", "")),
         router=router,
         prompt_tokens=prompt_tokens,
         expected_cached_tokens=min(prompt_tokens, int(cached.get(route.engine_id, 0))),

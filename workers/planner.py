@@ -58,6 +58,7 @@ import argparse
 import asyncio
 import logging
 import os
+from dataclasses import replace
 from typing import Any
 
 from log import LoggedEvent, SharedLog
@@ -106,7 +107,7 @@ from services.programs.base import ModelToolCall
 from services.registry import Registry
 from services.replay import cut_events
 from services.scheduling import SchedulingConfig, call_priority, program_progress
-from services.session import GATEWAY_PROGRAM, SessionState, ToolCall, ToolStatus, step_of
+from services.session import GATEWAY_PROGRAM, SessionState, ToolStatus, step_of
 from workers.cache_view import CacheDecisions
 from workers.config import SCHEDULING_MODES, log_namespace, scheduling_config, snapshot_url
 from workers.crash import crash_point
@@ -549,7 +550,7 @@ class PlannerWorker(SessionWorker):
             program = self.programs.get(state.program)
             choice = choose_size(
                 state.program,
-                step_of(move.call_id),
+                str(step_of(move.call_id)),
                 declared=move.size or getattr(program, "model_size", None),
                 pinned=state.model_pin,
                 stats=self.size_stats,
@@ -560,16 +561,18 @@ class PlannerWorker(SessionWorker):
         call = CallRequest(
             sid, move.prompt.num_tokens, cached, parent_session_id=state.parent_session_id, size=choice.size
         )
-        exclude = [failed] if failed else []
-        engines = pool.infos(now, size=choice.size, exclude=exclude)
-        if failed and not any(e.healthy for e in engines):
-            engines = pool.infos(now, exclude=exclude)  # none of that size is up: any size that is
+        # Every engine, the ones marked down as unhealthy: the router keeps to the call's size, falls
+        # back to the other one, and sees a down engine that held the prefix (a failover). When every
+        # engine is marked down the marks are only guesses: all are tried as if up.
+        engines = pool.infos(now)
+        if not any(e.healthy for e in engines):
+            engines = [replace(e, healthy=True) for e in engines if e.engine_id != failed] or [
+                replace(e, healthy=True) for e in engines
+            ]
         chosen = self.router.route(call, engines)
-        reason = "failover" if failed else None
         if not failed:
             # The engine that holds the session's prefix is known to be down: moving off it is a failover.
             failed = next((e for e in cached if e != chosen.engine_id and not pool.healthy(e, now)), None)
-            reason = "failover" if failed else None
         body = routed(
             call_id=move.call_id,
             request_id=move.request_id,
@@ -580,7 +583,7 @@ class PlannerWorker(SessionWorker):
             cached=cached,
             size=choice,
             failed_engine_id=failed,
-            reason=reason,
+            reason="failover" if failed else None,
         )
         await self.append(sid, body, kind="routed", key=f"{move.call_id}/{attempt}")
         crash_point("planner.after_routed")
@@ -643,11 +646,21 @@ class PlannerWorker(SessionWorker):
 
 
 def _after_failed_tool(state: SessionState, call_id: str) -> bool:
-    """Whether the step before this LLM call is a tool call that failed or was aborted: the step is
-    a retry of what the model got wrong (``choose_size``'s ``retry``)."""
+    """Whether this LLM call retries what the small model got wrong: the step before it is a tool
+    call that failed or was aborted, proposed by an LLM call the small model served
+    (``choose_size``'s ``retry``)."""
     step = step_of(call_id)
-    before = [t for t in state.tool_calls.values() if step_of(t.call_id) == step - 1]
-    return any(isinstance(t, ToolCall) and t.status in (ToolStatus.FAILED, ToolStatus.ABORTED) for t in before)
+    failed = [
+        t
+        for t in state.tool_calls.values()
+        if step_of(t.call_id) == step - 1 and t.status in (ToolStatus.FAILED, ToolStatus.ABORTED)
+    ]
+    if not failed:
+        return False
+    earlier = [c for c in state.llm_calls.values() if step_of(c.call_id) < step - 1]
+    proposer = max(earlier, key=lambda c: step_of(c.call_id), default=None)
+    route = state.routes.get(proposer.call_id) if proposer is not None else None
+    return route is not None and route.model_size == "small"
 
 
 _BRANCH_NEWS = (ev.SessionFinished, ev.SessionFailed, ev.ToolCallInDoubt, ev.ToolCallStarted)

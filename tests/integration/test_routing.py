@@ -9,7 +9,9 @@ script sessions through ``logctl run`` and reads the log and the engines' ``/sta
 - failover: a SIGKILLed engine's sessions move to the other engine (reason ``failover``), which
   computes each moved call once, and every session finishes;
 - model size: steps that declare ``small`` go to the small engine, the others to the large one, an
-  operator's ``logctl pin-model`` is obeyed from the next call, and ``logctl audit --routes`` shows it.
+  operator's ``logctl pin-model`` is obeyed from the next call, and ``logctl audit --routes`` shows it;
+  a step nobody declared is tried on the small model until the log says the small model does not
+  complete it (its tool call aborted each time), then it goes to the large one.
 """
 
 from __future__ import annotations
@@ -204,7 +206,10 @@ def test_the_small_and_large_choice_follows_the_program_and_an_operator_pin(
     kafka_bootstrap: str, namespace: str, tmp_path: Path
 ) -> None:
     routed = Routed(kafka_bootstrap, namespace, tmp_path, time_scale=1.0, engine_sizes=["large", "small"])
-    steps = script(llm(64, size="small"), sleep(0.2), llm(64), sleep(4), llm(32, size="small"), sleep(0.2), llm(16))
+    steps = script(
+        llm(64, size="small"), sleep(0.2), llm(64, size="large"), sleep(4), llm(32, size="small"), sleep(0.2),
+        llm(16, size="large"),
+    )  # fmt: skip
     with routed.stack:
         (free, pinned) = routed.run(steps, sessions=2, prefix=f"sz-{uuid.uuid4().hex[:4]}", wait=False)
         # Pin the second session to the large model while it waits in its long tool gap.
@@ -220,12 +225,40 @@ def test_the_small_and_large_choice_follows_the_program_and_an_operator_pin(
     assert [c.engine_id for c in of(actions[free], ev.LLMCallCompleted)] == [r.engine_id for r in free_routes]
     pinned_routes = of(actions[pinned], ev.EngineRouted)
     assert [r.model_size for r in pinned_routes] == ["small", "large", "large", "large"], pinned_routes
-    assert "pin" in pinned_routes[2].size_reason and pinned_routes[2].engine_id == "sim-0"
+    assert [r.size_reason for r in free_routes] == ["declared by program"] * 4
+    assert pinned_routes[2].size_reason == pinned_routes[3].size_reason == "pinned by operator"
+    assert pinned_routes[2].engine_id == "sim-0"
     # logctl audit --routes shows every route with its size and why, and the pin.
     rows = [r for r in audit if r["session_id"] == pinned]
     assert [r["model_size"] for r in rows if r.get("pin") is None] == ["small", "large", "large", "large"]
     assert [(r["pin"], r["reason"]) for r in rows if r.get("pin") is not None] == [("large", "needs the big one")]
     assert "pinned to large" in table and "sim-1" in table and "4 routes, 1 pins" in table
+
+
+def test_a_step_the_small_model_keeps_failing_goes_to_the_large_model_once_the_log_says_so(
+    kafka_bootstrap: str, namespace: str, tmp_path: Path
+) -> None:
+    routed = Routed(kafka_bootstrap, namespace, tmp_path, time_scale=0.2, engine_sizes=["large", "small"])
+    # Step 0 declares nothing; the tool it asks for is unknown, so the decider aborts it each time:
+    # the step needed a retry. Step 2 (declared large) is that retry.
+    steps = script(llm(64), {"tool": "no_such_tool", "arguments": {}}, llm(16, size="large"))
+    prefix = f"lrn-{uuid.uuid4().hex[:4]}"
+    with routed.stack:
+        sessions = [routed.run(steps, sessions=1, prefix=f"{prefix}{i}")[0] for i in range(4)]  # one after another
+        actions = routed.wait_until(finished(sessions), "every session finished")
+        audit = json.loads(routed.cli("audit", "--routes", "--json", "--session", sessions[-1]))
+    first = [of(actions[s], ev.EngineRouted)[0] for s in sessions]
+    assert [(r.model_size, r.engine_id) for r in first] == [("small", "sim-1")] * 3 + [("large", "sim-0")]
+    assert [r.size_reason for r in first] == [
+        "trying the small model on this step (1 of 3)",
+        "trying the small model on this step (2 of 3)",
+        "trying the small model on this step (3 of 3)",
+        "small model completed this step only 0/3 times",
+    ]
+    retries = [of(actions[s], ev.EngineRouted)[1] for s in sessions]
+    assert [r.size_reason for r in retries] == ["retry after small failed"] * 3 + ["declared by program"]
+    assert all(r.model_size == "large" for r in retries)
+    assert audit[0]["size_reason"] == "small model completed this step only 0/3 times"
 
 
 def test_logctl_up_starts_an_engine_and_a_bridge_per_engine_and_decisions_name_their_engine(
@@ -245,11 +278,10 @@ def test_logctl_up_starts_an_engine_and_a_bridge_per_engine_and_decisions_name_t
         assert {"engine", "engine-1", "engine-bridge", "engine-bridge-1", "cache-manager", "planner-0"} <= up.names
         engines = [line.split()[1:3] for line in up.started if line.startswith("engine ") and "sim-" in line]
         assert [e[1] for e in engines] == ["(sim-0,", "(sim-1,"], up.started
-        # Sessions that declare the small model for every step, and sessions that declare nothing:
-        # the small engine serves the first, the large one the others, whatever the router prefers.
-        for size in ("small", None):
-            extra = {"size": size} if size else {}
-            steps = script(llm(200, **extra), sleep(1), llm(16, **extra))
+        # Sessions that declare the small model for every step, and sessions that declare the large
+        # one: the small engine serves the first, the large one the others, whatever the router prefers.
+        for size in ("small", "large"):
+            steps = script(llm(200, size=size), sleep(1), llm(16, size=size))
             ran = CliRunner().invoke(
                 app,
                 ["run", "script", "--log-url", log_url, "-n", "3", "--args", json.dumps(steps), "--json"],

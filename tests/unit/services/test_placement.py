@@ -29,7 +29,7 @@ def completed(call: str, engine: str, prompt: int, output: int = 10) -> ev.LLMCa
 
 def route(call: str, engine: str, size: str = "large", attempt: int = 0) -> ev.EngineRouted:
     return ev.EngineRouted(
-        call_id=call, request_id=f"s/{call}", attempt=attempt, engine_id=engine, reason="locality",
+        call_id=call, request_id=f"s/{call}", attempt=attempt, engine_id=engine, reason="locality", detail="",
         router="locality", prompt_tokens=100, expected_cached_tokens=0, expected_recompute_tokens=100,
         model_size=size, size_reason="declared",
     )  # fmt: skip
@@ -83,9 +83,9 @@ def test_an_operator_pin_is_folded_and_can_be_removed() -> None:
 
 @dataclass
 class Recorder:
-    rows: list[tuple[str, int, str, bool]]
+    rows: list[tuple[str, str, str, bool]]
 
-    def record(self, program: str, step: int, size: str, retried: bool) -> None:
+    def record(self, program: str, step: str, size: str, retried: bool) -> None:
         self.rows.append((program, step, size, retried))
 
 
@@ -101,7 +101,7 @@ def test_a_finished_session_teaches_each_routed_step_and_whether_it_needed_a_ret
     assert learn(state, recorder.record) == 0  # not finished: nothing learned yet
     state.apply(envelope(ev.SessionFinished(output_json="{}", num_llm_calls=2, num_tool_calls=2), session="s"))
     assert learn(state, recorder.record) == 2
-    assert recorder.rows == [("script", 0, "small", True), ("script", 2, "large", False)]
+    assert recorder.rows == [("script", "0", "small", True), ("script", "2", "large", False)]
 
 
 def test_the_last_call_of_a_failed_session_counts_as_retried() -> None:
@@ -111,7 +111,7 @@ def test_the_last_call_of_a_failed_session_counts_as_retried() -> None:
     )  # fmt: skip
     recorder = Recorder([])
     learn(state, recorder.record)
-    assert recorder.rows == [("script", 0, "small", True)]
+    assert recorder.rows == [("script", "0", "small", True)]
 
 
 @dataclass(frozen=True)
