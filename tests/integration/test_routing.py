@@ -341,6 +341,8 @@ def test_a_planner_killed_around_a_routed_call_completes_it_on_its_engine_once(
         completed = of(actions[sid], ev.LLMCallCompleted)
         assert [c.engine_id for c in completed] == [r.engine_id for r in routes]
     # No call computed twice: every call once, and the one caught after the engine answered is
-    # answered from that engine's record.
+    # answered from that engine's record (so may another session's, answered but not yet logged
+    # when the planner died).
     assert sum(s["num_served"] for s in stats) == 3 * len(sessions)
-    assert sum(s["num_replayed"] for s in stats) == (1 if crash_at.startswith("planner.after_engine") else 0)
+    replayed = sum(s["num_replayed"] for s in stats)
+    assert replayed <= len(sessions) and (replayed >= 1 or not crash_at.startswith("planner.after_engine"))
