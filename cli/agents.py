@@ -33,6 +33,7 @@ def register(app: typer.Typer) -> None:
     app.command()(approve)
     app.command()(deny)
     app.command()(cancel)
+    app.command("pin-model")(pin_model)
 
 
 def up(
@@ -68,6 +69,18 @@ def up(
         ),
     ] = False,
     console_port: Annotated[int, typer.Option(help="The web console's port")] = 8300,
+    engines: Annotated[
+        int,
+        typer.Option(
+            "--engines",
+            min=1,
+            help="Sim engines (each with its bridge under --cache-manager); "
+            "the planners route every LLM call between them",
+        ),
+    ] = 1,
+    engine_sizes: Annotated[
+        str, typer.Option(help="Each engine's model size, comma-separated (small or large; default: all large)")
+    ] = "",
 ) -> None:
     """Start the engine and every worker as local processes, and keep them running; Ctrl-C (or
     SIGTERM) stops them gracefully.
@@ -103,6 +116,11 @@ def up(
         os.environ.get("AGENTLOG_CONSOLE_PASSWORD") or os.environ.get("AGENTLOG_CONSOLE_AUDITOR_PASSWORD")
     ):
         raise typer.BadParameter("--console needs AGENTLOG_CONSOLE_PASSWORD (the operator's login) or an auditor's")
+    sizes = [part.strip() for part in engine_sizes.split(",") if part.strip()]
+    if any(size not in ("small", "large") for size in sizes) or len(sizes) > engines:
+        raise typer.BadParameter(
+            f"--engine-sizes: at most {engines} of small or large, comma-separated; got {engine_sizes!r}"
+        )
     load_plugins(plugins)  # a bad plugin stops here, before any process starts
     directory = work_dir or data_dir() / "stack"
     memory = ["--gpu-blocks", str(gpu_blocks), "--host-blocks", str(host_blocks)]
@@ -121,6 +139,8 @@ def up(
         projector=projector,
         console=console,
         console_port=console_port,
+        num_engines=engines,
+        engine_sizes=sizes,
     )
     ensure_topics(log_url)
     stack.start()
@@ -128,7 +148,10 @@ def up(
         port = stack.metrics_ports.get(name)
         metrics = f"  metrics http://127.0.0.1:{port}/metrics" if port is not None else ""
         typer.echo(f"{name:<10} pid {process.pid:<7} log {process.log_path}{metrics}")
-    typer.echo(f"engine     {stack.engine_url}")
+    if stack.num_engines == 1:
+        typer.echo(f"engine     {stack.engine_url}")
+    for i in range(stack.num_engines if stack.num_engines > 1 else 0):
+        typer.echo(f"engine     {stack.url_of(i)} ({stack.engine_id(i)}, {stack.engine_size(i)})")
     if gateway:
         typer.echo(f"gateway    {stack.gateway_url} (OpenAI base URL; send the X-Agentlog-Session header)")
     if console:
@@ -414,3 +437,26 @@ def cancel(
 
     asyncio.run(send())
     typer.echo(f"cancel requested for {session_id}")
+
+
+def pin_model(
+    session_id: Annotated[str, typer.Argument()],
+    size: Annotated[str, typer.Argument(help="small or large; none removes the pin")],
+    log_url: LogUrl = None,
+    reason: Annotated[str, typer.Option(help="Why (kept in the log)")] = "pinned by an operator",
+) -> None:
+    """Pin a session's LLM calls to a model size (on a stack with small and large engines); the
+    planner obeys from the session's next call, and ``logctl audit --routes`` shows it."""
+    if size not in ("small", "large", "none"):
+        raise CliError(f"size must be small, large or none, got {size!r}", BAD_INPUT)
+
+    async def send() -> None:
+        async with open_log(log_url, actor="operator") as log:
+            await require_session(log, session_id)
+            body = ev.ModelPinRequested(
+                author=os.environ.get("USER", "operator"), size=None if size == "none" else size, reason=reason
+            )
+            await log.append(session_id, body)
+
+    asyncio.run(send())
+    typer.echo(f"{session_id} pinned to {size}" if size != "none" else f"{session_id} unpinned")

@@ -8,7 +8,10 @@ wrong.
 
 ``audit`` folds the sessions and shows each tool call's proposal, votes,
 verdict, approvals and execution side by side, filtered by session, actor,
-tool, effect class, verdict and time range. ``audit --resources`` shows what
+tool, effect class, verdict and time range. ``audit --routes`` shows where each
+LLM call went on a stack with several engines: the engine, why (locality, load,
+failover, ...), the recompute the router expected, the model size chosen and why,
+the operator pins, and the tokens the engine said it had cached. ``audit --resources`` shows what
 tools acquired through the executor instead (services/resources.py): who
 acquired what, when, for which call, and who released it, why; a resource
 that could not be released is listed as ``stuck`` with its error and its
@@ -34,7 +37,7 @@ from log.chain import ChainVerifier
 from log.topics import AGENT_DLQ
 from log.topics import topic as topic_named
 from services.resources import Resource
-from services.session import ToolCall
+from services.session import SessionState, ToolCall
 
 
 @dataclass
@@ -173,6 +176,9 @@ def audit(
         bool, typer.Option("--resources", help="The resources tools acquired and who released them, instead")
     ] = False,
     stuck: Annotated[bool, typer.Option("--stuck", help="With --resources: only those not released yet")] = False,
+    routes: Annotated[
+        bool, typer.Option("--routes", help="Where each LLM call was routed (engine, model size, why), instead")
+    ] = False,
     as_json: Json = False,
 ) -> None:
     """Who did what: each tool call's proposal, votes, verdict, approvals and execution."""
@@ -186,6 +192,9 @@ def audit(
     book = asyncio.run(read())
     if resources:
         _audit_resources(book, session=session, tool=tool, only_live=stuck, as_json=as_json)
+        return
+    if routes:
+        _audit_routes(book, session=session, as_json=as_json)
         return
     rows = []
     for record in book.records.values():
@@ -280,6 +289,66 @@ def _audit_resources(
     num_live = sum(1 for r in rows if r["status"] != "released")
     num_stuck = sum(1 for r in rows if r["status"] == "stuck")
     typer.echo(f"{len(rows)} resources, {num_live} not released ({num_stuck} stuck)")
+
+
+def route_rows(state: SessionState) -> list[dict[str, Any]]:
+    """Every routing decision of a session (failovers included), with what the engine then said."""
+    rows = []
+    for r in state.route_history:
+        call = state.llm_calls.get(r.call_id)
+        completed = call.completed if call is not None else None
+        served = completed is not None and completed.engine_id == r.engine_id
+        rows.append(
+            {
+                "session_id": state.session_id,
+                "call_id": r.call_id,
+                "attempt": r.attempt,
+                "engine_id": r.engine_id,
+                "reason": r.reason,
+                "detail": r.detail,
+                "router": r.router,
+                "prompt_tokens": r.prompt_tokens,
+                "expected_cached_tokens": r.expected_cached_tokens,
+                "expected_recompute_tokens": r.expected_recompute_tokens,
+                "model_size": r.model_size,
+                "size_reason": r.size_reason,
+                "failed_engine_id": r.failed_engine_id,
+                "cached_tokens": completed.cached_tokens if served and completed else None,
+                "pin": None,
+            }
+        )
+    for pin in state.pins:
+        rows.append(
+            {"session_id": state.session_id, "pin": pin.size or "none", "author": pin.author, "reason": pin.reason}
+        )
+    return rows
+
+
+def _audit_routes(book: SessionBook, *, session: str | None, as_json: bool) -> None:
+    rows = [
+        row
+        for record in book.records.values()
+        if not session or record.state.session_id == session
+        for row in route_rows(record.state)
+    ]
+    if as_json:
+        typer.echo(to_json(rows))
+        return
+    typer.echo(
+        f"{'session':<24} {'call':<8} {'engine':<10} {'why':<20} {'recompute':>9} {'cached':>7} {'size':<6} size why"
+    )
+    for row in rows:
+        if row.get("pin") is not None:
+            typer.echo(f"{row['session_id'][:24]:<24} pinned to {row['pin']} by {row['author']}: {row['reason']}")
+            continue
+        cached = "" if row["cached_tokens"] is None else str(row["cached_tokens"])
+        why = row["reason"] if not row["failed_engine_id"] else f"failover from {row['failed_engine_id']}"
+        typer.echo(
+            f"{row['session_id'][:24]:<24} {row['call_id'][:8]:<8} {row['engine_id'][:10]:<10} {why[:20]:<20} "
+            f"{row['expected_recompute_tokens']:>9} {cached:>7} {row['model_size']:<6} {row['size_reason']}"
+        )
+    num_routes = sum(1 for r in rows if r.get("pin") is None)
+    typer.echo(f"{num_routes} routes, {len(rows) - num_routes} pins")
 
 
 def _aware(moment: datetime) -> datetime:

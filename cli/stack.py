@@ -14,6 +14,14 @@ Every process is a plain ``python -m workers.<role>`` child with the log URL in
 its environment, so ``kill -9`` of any of them is exactly what a crash is.
 ``Stack`` is used by ``logctl up``, ``logctl demo`` and the end-to-end tests.
 
+With ``num_engines=N`` (``logctl up --engines N``) it starts N sim engines, ``engine`` (id
+``sim-0``) and ``engine-1`` .. (``sim-1`` ..), each on its own port with its own state; the
+planners route every LLM call between them (``AGENTLOG_ENGINES``, ``workers/engines/pool.py``),
+and with the cache manager each engine gets its own bridge (``engine-bridge``,
+``engine-bridge-1`` ..) while the one cache manager keeps a memory model per engine.
+``engine_sizes`` gives each engine its model size (``large`` by default). The decider's
+LLM judge and the gateway use the first engine.
+
 ``Supervisor`` is what ``logctl up`` runs it with: a process that exits on its own (a crash,
 a SIGKILL, even a clean exit nobody asked for) is started again after a backoff, and every
 exit is reported; it never gives up on a role (``Backoff`` says why).
@@ -91,13 +99,28 @@ class Process:
 
 
 _FULL_NAME_PRINCIPALS = ("engine-bridge", "cache-manager")
+
+
+def is_engine(name: str) -> bool:
+    """``engine``, ``engine-1``, ...: the sim engines (no principal: they do not touch the log)."""
+    return name == "engine" or (name.startswith("engine-") and name[len("engine-") :].isdigit())
+
+
+def engine_name(index: int) -> str:
+    return "engine" if index == 0 else f"engine-{index}"
+
+
+def bridge_name(index: int) -> str:
+    return "engine-bridge" if index == 0 else f"engine-bridge-{index}"
+
+
 _PRINCIPAL_OF = {"console": "operator"}
 """Processes named otherwise than their principal: the console appends as the operator."""
 
 
 def _principal(name: str) -> str | None:
     """The Kafka principal a process of the stack logs in as (the engine has none)."""
-    if name == "engine":
+    if is_engine(name):
         return None
     if name in _PRINCIPAL_OF:
         return _PRINCIPAL_OF[name]
@@ -132,6 +155,27 @@ class Stack:
     console: bool = False
     console_port: int = 0
     console_args: list[str] = field(default_factory=list)
+    num_engines: int = 1
+    engine_sizes: list[str] = field(default_factory=list)
+    """Each engine's model size (small or large; missing ones are large)."""
+    engine_ports: list[int] = field(default_factory=list)
+    """Every engine's port (the first is ``engine_port``)."""
+
+    def engine_id(self, index: int) -> str:
+        return f"sim-{index}"
+
+    def engine_size(self, index: int) -> str:
+        return self.engine_sizes[index] if index < len(self.engine_sizes) else "large"
+
+    def url_of(self, index: int) -> str:
+        return f"http://127.0.0.1:{self.engine_ports[index]}"
+
+    @property
+    def engines_spec(self) -> str:
+        """``AGENTLOG_ENGINES`` for the planners and the cache manager (workers/engines/pool.py)."""
+        return ";".join(
+            f"{self.engine_id(i)}={self.url_of(i)},size={self.engine_size(i)}" for i in range(self.num_engines)
+        )
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
@@ -139,6 +183,8 @@ class Stack:
         if self.log_url:
             env["AGENTLOG_LOG_URL"] = self.log_url
         env["AGENTLOG_TIME_SCALE"] = str(self.time_scale)
+        if self.num_engines > 1:
+            env["AGENTLOG_ENGINES"] = self.engines_spec
         env.update(self.extra_env)
         env.update(extra or {})
         return env
@@ -173,14 +219,18 @@ class Stack:
     def start(self, *, wait_s: float = 60) -> Stack:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.engine_port = self.engine_port or free_port()
-        self.start_process("engine")
-        self.wait_for_engine(wait_s)
+        self.engine_ports = [self.engine_port] + [free_port() for _ in range(1, self.num_engines)]
+        for i in range(self.num_engines):
+            self.start_process(engine_name(i))
+        for i in range(self.num_engines):
+            self.wait_for_engine(wait_s, i)
         for role in ("decider", "executor"):
             self.start_process(role)
         for i in range(self.num_planners):
             self.start_process(f"planner-{i}")
         if self.cache_manager:
-            self.start_process("engine-bridge")
+            for i in range(self.num_engines):
+                self.start_process(bridge_name(i))
             self.start_process("cache-manager")
         if self.gateway:
             self.gateway_port = self.gateway_port or free_port()
@@ -195,11 +245,18 @@ class Stack:
     def start_process(self, name: str, env: dict[str, str] | None = None) -> Process:
         """Start (or restart) one process of the stack by name: engine, decider, executor, planner-N,
         engine-bridge, cache-manager, gateway, projector, console."""
-        if name == "engine":
-            args = ["--port", str(self.engine_port), "--state-dir", str(self.work_dir / "engine"), *self.engine_args]
+        if is_engine(name):
+            i = 0 if name == "engine" else int(name.rsplit("-", 1)[1])
+            args = ["--port", str(self.engine_ports[i] if self.engine_ports else self.engine_port)]
+            args += ["--state-dir", str(self.work_dir / name), *self.engine_args]
+            if self.num_engines > 1:
+                args += ["--engine-id", self.engine_id(i)]
             process = self._process(name, "workers.engines.sim_server", args, env)
-        elif name == "engine-bridge":
-            args = ["--engine", "sim", "--engine-url", self.engine_url]
+        elif name.startswith("engine-bridge"):
+            i = 0 if name == "engine-bridge" else int(name.rsplit("-", 1)[1])
+            args = ["--engine", "sim", "--engine-url", self.url_of(i) if self.engine_ports else self.engine_url]
+            if self.num_engines > 1:
+                args += ["--engine-id", self.engine_id(i)]
             process = self._process(name, "workers.engine_bridge", args, env)
         elif name == "cache-manager":
             process = self._process(name, "workers.cache_manager", list(self.cache_manager_args), env)
@@ -221,27 +278,27 @@ class Stack:
         self.processes[name] = process.start()
         return process
 
-    def wait_for_engine(self, wait_s: float) -> None:
+    def wait_for_engine(self, wait_s: float, index: int = 0) -> None:
+        url = self.url_of(index) if self.engine_ports else self.engine_url
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"{self.engine_url}/health", timeout=1) as response:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
                     if response.status == 200:
                         return
             except OSError:
                 pass
-            engine = self.processes["engine"]
+            engine = self.processes[engine_name(index)]
             if not engine.alive():
                 raise RuntimeError(f"the engine exited:\n{engine.log_tail()}")
             time.sleep(0.1)
-        raise TimeoutError(f"the engine did not answer on {self.engine_url} within {wait_s:g} s")
+        raise TimeoutError(f"the engine did not answer on {url} within {wait_s:g} s")
 
     def stop(self) -> dict[str, int | None]:
-        """Stop everything gracefully (workers first, the engine last); returns exit codes."""
+        """Stop everything gracefully (workers first, the engines last); returns exit codes."""
         codes = {}
-        for name in [n for n in self.processes if n != "engine"] + ["engine"]:
-            if name in self.processes:
-                codes[name] = self.processes[name].stop()
+        for name in [n for n in self.processes if not is_engine(n)] + [n for n in self.processes if is_engine(n)]:
+            codes[name] = self.processes[name].stop()
         return codes
 
     def __enter__(self) -> Stack:

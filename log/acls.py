@@ -103,7 +103,8 @@ class Role:
 
 
 ROLES: tuple[Role, ...] = (
-    Role("planner", (_ACTIONS, _VERDICTS, _EFFECTS, _OPS, _GATEWAY), groups=("planner",)),
+    # kv.decisions: the cache manager's decisions about its sessions' KV, for routing (workers/cache_view.py).
+    Role("planner", (_ACTIONS, _VERDICTS, _EFFECTS, _OPS, _GATEWAY, _KV_DECISIONS), groups=("planner",)),
     Role("decider", (_ACTIONS, _OPS, _VERDICTS), groups=("decider",)),
     Role("executor", (_VERDICTS, _ACTIONS, _EFFECTS, _OPS, _GATEWAY), groups=("executor",)),
     Role("cache-manager", ALL_TOPICS, groups=("cache-manager",)),

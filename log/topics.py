@@ -49,6 +49,7 @@ AGENT_ACTIONS = Topic(
         ev.RestoreRefused,
         ev.MergeApplied,
         ev.MergeConflict,
+        ev.EngineRouted,
     ),
 )
 AGENT_VERDICTS = Topic("agent.verdicts", "decider", (ev.ToolCallCommitted, ev.ToolCallAborted))
@@ -83,6 +84,7 @@ OPS_COMMANDS = Topic(
         ev.ForkRequested,
         ev.RestoreRequested,
         ev.MergeRequested,
+        ev.ModelPinRequested,
     ),
 )
 AGENT_GATEWAY = Topic(

@@ -533,6 +533,43 @@ class GatewaySessionEnded(Model):
     num_llm_calls: int = Field(description="LLM calls the gateway recorded for the session.")
 
 
+# ------------------------------------------------------------ routing (release 7)
+
+
+class EngineRouted(Model):
+    """The planner chose the engine (and the model size) for an LLM call, before asking it; a failover is a new
+    route of the same call."""
+
+    call_id: str = Field(description="The LLM call's id within its session.")
+    request_id: str = Field(description="The engine request id (the same on every attempt of the call).")
+    attempt: int = Field(description="0 for the call's first route, 1 for its first failover, and so on.")
+    engine_id: str = Field(description="The engine the call is sent to.")
+    reason: str = Field(description="Why this engine: only, round_robin, least_loaded, locality, load or failover.")
+    detail: str = Field(description="The router's reason in words (the queue waits and cached tokens it compared).")
+    router: str = Field(description="The routing policy that chose (round_robin, least_loaded, locality).")
+    prompt_tokens: int = Field(description="Tokens in the call's prompt.")
+    expected_cached_tokens: int = Field(
+        description="Prompt tokens the planner believed the chosen engine holds for the session (from the log)."
+    )
+    expected_recompute_tokens: int = Field(description="Prompt tokens the router expects the chosen engine to compute.")
+    model_size: str = Field(description="The model size chosen for the step: small or large.")
+    size_reason: str = Field(
+        description="Why that size (declared by the program, pinned by an operator, learned from the log, ...)."
+    )
+    failed_engine_id: str | None = Field(
+        default=None, description="For a failover: the engine the call left (unreachable); else null."
+    )
+
+
+class ModelPinRequested(Model):
+    """An operator pinned a session's LLM calls to one model size (or unpinned it); the planner obeys from its
+    next call."""
+
+    author: str = Field(description="The person who asked.")
+    size: str | None = Field(default=None, description="small or large; null removes the pin.")
+    reason: str = Field(description="Why, in the author's words.")
+
+
 EVENT_TYPES: tuple[type[Model], ...] = (
     SessionStarted,
     SessionFinished,
@@ -573,6 +610,8 @@ EVENT_TYPES: tuple[type[Model], ...] = (
     ResourceReleased,
     ResourceReleaseFailed,
     GatewaySessionEnded,
+    EngineRouted,
+    ModelPinRequested,
 )
 """Every body type, in the order of the envelope's ``body`` union (new types go at the end)."""
 
@@ -626,5 +665,7 @@ Event = (
     | ResourceReleased
     | ResourceReleaseFailed
     | GatewaySessionEnded
+    | EngineRouted
+    | ModelPinRequested
 )
 """Any event body."""

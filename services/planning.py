@@ -88,6 +88,8 @@ class CallEngine:
     tools: tuple[dict[str, Any], ...] = ()
     """The tools offered with the messages (OpenAI function specs)."""
     tool_choice: str | dict[str, Any] | None = None
+    size: str | None = None
+    """The model size the program declared for the call (``CallLLM.size``), or None."""
 
 
 @dataclass(frozen=True)
@@ -324,6 +326,7 @@ def next_move(
                 messages=action.messages,
                 tools=action.tools,
                 tool_choice=action.tool_choice,
+                size=action.size,
             )
         case CallTool():
             call_id = tool_call_id(step, generation)
@@ -415,6 +418,7 @@ def _resume(state: SessionState, pending: Step, action: Any, step: int) -> Move:
             messages=action.messages,
             tools=action.tools,
             tool_choice=action.tool_choice,
+            size=action.size,
         )
     same = (
         isinstance(action, CallTool)

@@ -122,6 +122,8 @@ class LLMCall:
     completed: ev.LLMCallCompleted | None = None
     origin: str | None = None
     """For a fork's inherited call: the session that made it (None: this session)."""
+    completed_at: datetime | None = None
+    """When its completion was logged (the engine holds its context from then on)."""
 
 
 @dataclass
@@ -253,6 +255,13 @@ class SessionState:
     (services/resources.py): released when the session ends, never forgotten until then."""
     gateway_ended: ev.GatewaySessionEnded | None = None
     """Why the gateway ended the session (idle or finished by its client); the planner finishes it."""
+    routes: dict[str, ev.EngineRouted] = field(default_factory=dict)
+    """The latest route of each LLM call (its engine and model size; a failover replaces it), by call id."""
+    route_history: list[ev.EngineRouted] = field(default_factory=list)
+    """Every route in log order, failovers included (what ``logctl audit --routes`` shows)."""
+    model_pin: str | None = None
+    """The model size an operator pinned the session to (``ModelPinRequested``), or None."""
+    pins: list[ev.ModelPinRequested] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.context_id = self.context_id or self.session_id
@@ -300,7 +309,7 @@ class SessionState:
         origin = base.session_id
         for llm in base.llm_calls.values():
             self.llm_calls.setdefault(
-                llm.call_id, LLMCall(llm.call_id, llm.started, llm.completed, llm.origin or origin)
+                llm.call_id, LLMCall(llm.call_id, llm.started, llm.completed, llm.origin or origin, llm.completed_at)
             )
         for tool in base.tool_calls.values():
             if tool.call_id.startswith(COMPENSATION_PREFIX) or tool.call_id in self.tool_calls:
@@ -338,6 +347,8 @@ class SessionState:
             res.evolve(self.resources, envelope.body, envelope.occurred_at)
             return True
         _evolve(self, envelope.body)
+        if isinstance(envelope.body, ev.LLMCallCompleted) and (call := self.llm_calls.get(envelope.body.call_id)):
+            call.completed_at = call.completed_at or envelope.occurred_at
         if isinstance(envelope.body, ev.ToolCallProposed):
             self.tool_calls[envelope.body.call_id].proposed_at = envelope.occurred_at
             for body in self.early.pop(envelope.body.call_id, []):
@@ -437,6 +448,14 @@ def _evolve(state: SessionState, body: ev.Event) -> None:
         case ev.ApprovalGiven():
             if tool := _tool(state, body.call_id, body):
                 tool.approvals.append(body)
+        case ev.EngineRouted():
+            state.route_history.append(body)
+            current = state.routes.get(body.call_id)
+            if current is None or body.attempt >= current.attempt:
+                state.routes[body.call_id] = body
+        case ev.ModelPinRequested():
+            state.model_pin = body.size
+            state.pins.append(body)
         case _:
             pass  # KV, cache, checkpoint and DLQ events do not change the program's state
 

@@ -6,8 +6,12 @@ and tier), as its own principal ``cache-manager``; appends ``CacheDecisionMade``
 ``kv.decisions`` (keyed by the decided session, ``causation_id`` = the trigger) and
 nothing else. It never talks to the engine: the engine bridge applies the decisions.
 
-Memory is global to an engine, so **one cache manager owns every partition** (run one
-per engine; a static ``--instance-id`` takes them back at once after a restart).
+Memory is global to an engine, so **one cache manager owns every partition** (a static
+``--instance-id`` takes them back at once after a restart). With several engines
+(``--engines sim-0,sim-1``, default: the ids of ``AGENTLOG_ENGINES``, else ``--engine-id``) it
+keeps one memory model per engine (``services.cache.engines``: each with ``--gpu-blocks`` /
+``--host-blocks``, one latency model) and every decision names its engine, whose bridge alone
+carries it out.
 
 **Time.** The manager's clock is the log's: an event's time is its ``occurred_at``
 divided by ``--time-scale`` (log seconds per simulated second, as for the engine and the
@@ -86,7 +90,8 @@ from log.consumer import EventConsumer
 from log.topics import AGENT_ACTIONS, AGENT_EFFECTS, KV_DECISIONS, KV_EVENTS
 from schemas import events as ev
 from schemas.events import CacheDecisionMade, Model, SessionId
-from services.cache.manager import NAMESPACE, CacheManager, Decided, ManagerConfig
+from services.cache.engines import EngineCacheManagers
+from services.cache.manager import NAMESPACE, Decided, ManagerConfig
 from services.cache.policy import CachePolicy
 from workers.crash import crash_point
 from workers.worker import EventIds, Worker
@@ -193,12 +198,14 @@ class CacheManagerWorker(Worker):
         recover: bool = True,
         commit_every_s: float = 1.0,
         order_log: Path | None = None,
+        engines: Sequence[str] = (),
     ) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         super().__init__(log, group=group, instance_id=instance_id, poll_timeout_s=poll_timeout_s)
         self.config = config
-        self.manager = CacheManager(config, policy if policy is not None else CachePolicy())
+        configs = [replace(config, engine_id=e) for e in engines] or [config]
+        self.manager = EngineCacheManagers(configs, policy if policy is not None else CachePolicy())
         self.time_scale = time_scale
         self.max_records = max_records
         self.stats = stats if stats is not None else WorkerStats()
@@ -233,6 +240,12 @@ class CacheManagerWorker(Worker):
         )
         parser.add_argument("--engine-id", default=env("AGENTLOG_ENGINE_ID", "sim-0"))
         parser.add_argument(
+            "--engines",
+            default=env("AGENTLOG_CACHE_ENGINES", ""),
+            help="comma-separated engine ids, each with its own memory of --gpu-blocks/--host-blocks (default: "
+            "the ids of AGENTLOG_ENGINES, else --engine-id alone)",
+        )
+        parser.add_argument(
             "--time-scale",
             type=float,
             default=float(env("AGENTLOG_TIME_SCALE", "1")),
@@ -261,6 +274,7 @@ class CacheManagerWorker(Worker):
             time_scale=args.time_scale,
             max_records=args.max_records,
             order_log=args.order_log,
+            engines=engine_ids(args.engines, args.engine_id),
         )
 
     async def close(self) -> None:
@@ -435,7 +449,20 @@ class CacheManagerWorker(Worker):
         return bool(assignment) and self.replay_done(consumer, assignment)
 
     def _draft(self, d: Decided) -> Draft:
-        return Draft(d.session_id, d.to_event(self.config.engine_id, self.time_scale), d.event_id, d.trigger_id)
+        engine_id = d.engine_id or self.config.engine_id
+        return Draft(d.session_id, d.to_event(engine_id, self.time_scale), d.event_id, d.trigger_id)
+
+
+def engine_ids(listed: str, engine_id: str) -> list[str]:
+    """``--engines`` as a list; without it, the ids of ``AGENTLOG_ENGINES`` (as the planner routes
+    to them), else ``[engine_id]``."""
+    if ids := [e.strip() for e in listed.split(",") if e.strip()]:
+        return ids
+    if configured := os.environ.get("AGENTLOG_ENGINES", ""):
+        from workers.engines.pool import parse_engines
+
+        return [spec.engine_id for spec in parse_engines(configured)]
+    return [engine_id]
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ not asked yet), ``planner.after_engine`` (the engine answered, the output is
 not logged yet), ``planner.after_llm_completed``, ``planner.after_proposed``,
 ``planner.after_checkpoint``, ``planner.after_compensations`` (proposed, the
 restore not applied yet), ``planner.before_restore``, ``planner.before_merge``
-(branches read, the merge not appended yet), ``planner.after_branches``.
+(branches read, the merge not appended yet), ``planner.after_branches``, ``planner.after_routed``
+(several engines: the route is logged, the call not started yet).
 
 **Program-level scheduling.** With ``--scheduling plas`` every engine request carries the call's
 ``priority`` (``services.scheduling``: its program's attained service on the critical path, from
@@ -35,8 +36,20 @@ the folded log, as a virtual start time on the log's clock; lower is served firs
 simulated engine and vLLM (``--scheduling-policy priority``) serve by. Off by default on vLLM and
 OpenAI endpoints: vLLM refuses a non-zero priority unless its server runs with that policy.
 
+**Several engines** (``--engine ID=URL[,size=small|large]`` repeated, or ``AGENTLOG_ENGINES``;
+``workers/engines/pool.py``): before each LLM call the planner picks a model size for the step
+(``services.routing.choose_size``: what the program declares, an operator's pin, what finished
+sessions taught) and an engine (``--router``, default ``locality``: the engine that holds the
+session's prefix, a fork's parent's, unless its queue makes recomputing elsewhere cheaper), and
+appends ``EngineRouted`` before ``LLMCallStarted`` (which names the chosen engine). A call that
+cannot reach its engine marks it down for ``--engine-down-s`` and goes to another one (a new
+``EngineRouted``, reason ``failover``, same request id), which computes it once; a call resumed
+after a crash goes to the engine its last route names, which answers from its record. With one
+``--engine-url`` (the default) nothing is routed and nothing of this is appended.
+
 Run: ``python -m workers.planner [--log-url URL] --engine-url http://127.0.0.1:8100
-[--checkpoint-every N] [--snapshot-url postgresql://...] [--scheduling plas|off]``.
+[--checkpoint-every N] [--snapshot-url postgresql://...] [--scheduling plas|off]
+[--engine ID=URL ... --router locality|least_loaded|round_robin]``.
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ import argparse
 import asyncio
 import logging
 import os
+from dataclasses import replace
 from typing import Any
 
 from log import LoggedEvent, SharedLog
@@ -70,6 +84,7 @@ from services.decide import (
     restore_applied,
 )
 from services.gateway import adopt
+from services.placement import last_call, learn, prefix_on, routed
 from services.planning import (
     ApplyRestore,
     CallEngine,
@@ -92,11 +107,13 @@ from services.programs.base import ModelToolCall
 from services.registry import Registry
 from services.replay import cut_events
 from services.scheduling import SchedulingConfig, call_priority, program_progress
-from services.session import GATEWAY_PROGRAM, SessionState
+from services.session import GATEWAY_PROGRAM, SessionState, ToolStatus, step_of
+from workers.cache_view import CacheDecisions
 from workers.config import SCHEDULING_MODES, log_namespace, scheduling_config, snapshot_url
 from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable
 from workers.engines.factory import ENGINE_KINDS, create_engine
+from workers.engines.pool import EnginePool, parse_engines
 from workers.plugins import builtin_registry
 from workers.replay import session_at, take_checkpoint
 from workers.runtime import SessionWorker
@@ -126,10 +143,24 @@ class PlannerWorker(SessionWorker):
         checkpoint_every: int = 0,
         snapshots: SnapshotStore | None = None,
         scheduling: SchedulingConfig | None = None,
+        pool: EnginePool | None = None,
+        router: str = "locality",
         **kwargs: Any,
     ) -> None:
         super().__init__(log, **kwargs)
         self.engine = engine
+        self.pool = pool  # None: the one engine above, nothing routed
+        self.router_name = router
+        self.router: Any = None
+        self.size_stats: Any = None
+        self._learned: set[str] = set()  # finished sessions whose calls the size stats have
+        self.cache_view: CacheDecisions | None = None
+        if pool is not None:
+            self.cache_view = CacheDecisions(log)
+            from services.routing import SizeStats, make_router
+
+            self.router = make_router(router)
+            self.size_stats = SizeStats()
         self.registry = registry or builtin_registry()
         self.programs = programs if programs is not None else self.registry.programs
         self.tools = self.registry.tool_specs
@@ -170,6 +201,26 @@ class PlannerWorker(SessionWorker):
             "without snapshots, partitions replayed from offset 0)",
         )
         parser.add_argument(
+            "--engine",
+            action="append",
+            default=None,
+            metavar="ID=URL[,size=small|large]",
+            help="one of several engines (repeat; default: AGENTLOG_ENGINES, ';'-separated); each LLM call is "
+            "routed to one (workers/engines/pool.py). Without any, --engine-url is the only engine",
+        )
+        parser.add_argument(
+            "--router",
+            choices=("locality", "least_loaded", "round_robin"),
+            default=os.environ.get("AGENTLOG_ROUTER", "locality"),
+            help="how calls are routed between several engines (services.routing)",
+        )
+        parser.add_argument(
+            "--engine-down-s",
+            type=float,
+            default=float(os.environ.get("AGENTLOG_ENGINE_DOWN_S", "10")),
+            help="how long an engine that could not be reached is left out of routing",
+        )
+        parser.add_argument(
             "--scheduling",
             choices=SCHEDULING_MODES,
             default=None,
@@ -179,7 +230,14 @@ class PlannerWorker(SessionWorker):
 
     @classmethod
     async def create(cls, log: SharedLog, args: argparse.Namespace) -> PlannerWorker:
-        engine = create_engine(args.engine_url, engine_id=args.engine_id, kind=args.engine_kind)
+        pool = None
+        specs = parse_engines(args.engine or os.environ.get("AGENTLOG_ENGINES", ""))
+        if specs:
+            pool = EnginePool.create(specs, kind=args.engine_kind)
+            pool.down_s = args.engine_down_s
+            engine = pool.client(specs[0].engine_id)
+        else:
+            engine = create_engine(args.engine_url, engine_id=args.engine_id, kind=args.engine_kind)
         snapshots = None
         if url := snapshot_url(args.snapshot_url, args.log_url):
             snapshots = await SnapshotStore(url, log_namespace(log)).start()
@@ -192,17 +250,24 @@ class PlannerWorker(SessionWorker):
             snapshots=snapshots,
             registry=args.registry,
             scheduling=scheduling_config(args.scheduling, default="plas" if args.engine_kind == "sim" else "off"),
+            pool=pool,
+            router=args.router,
         )
 
     async def close(self) -> None:
-        await self.engine.close()
+        if self.pool is not None:
+            await self.pool.close()
+        else:
+            await self.engine.close()
         if self.snapshots is not None:
             await self.snapshots.close()
 
     async def resume(self, state: SessionState) -> None:
+        self._learn(state)
         self.kick(state.session_id)
 
     async def on_event(self, state: SessionState, event: LoggedEvent) -> None:
+        self._learn(state)
         self.kick(state.session_id)
         if isinstance(event.body, _BRANCH_NEWS):
             for parent in self._waiting_on.get(state.session_id, set()):
@@ -282,6 +347,7 @@ class PlannerWorker(SessionWorker):
                 await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
             case StartSession() | RefuseRestore() | FinishSession():
                 await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
+        self._learn(state)
         return True
 
     async def _append_all(self, appends: list[Append], *, for_session: str | None = None) -> None:
@@ -371,6 +437,9 @@ class PlannerWorker(SessionWorker):
 
     async def _call_engine(self, state: SessionState, move: CallEngine) -> None:
         sid = state.session_id
+        if self.pool is not None:
+            await self._call_routed(state, move)
+            return
         if not move.resume:
             await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
             crash_point("planner.after_llm_started")
@@ -379,6 +448,9 @@ class PlannerWorker(SessionWorker):
         except EngineError as e:
             await self._append_all([engine_failed(state, str(e))])
             return
+        await self._completed(state, move, completion)
+
+    async def _completed(self, state: SessionState, move: CallEngine, completion: Any) -> None:
         crash_point("planner.after_engine")
         self.num_engine_calls += 1
         completed = ev.LLMCallCompleted(
@@ -397,6 +469,144 @@ class PlannerWorker(SessionWorker):
         await self._append_all([llm_completed(state, move, completed)])
         crash_point("planner.after_llm_completed")
 
+    # ------------------------------------------------------------ several engines
+
+    async def _call_routed(self, state: SessionState, move: CallEngine) -> None:
+        """Route the call (or take its recorded route), then ask that engine; fail over to another
+        one when it cannot be reached (module docstring)."""
+        pool = self.pool
+        assert pool is not None
+        sid = state.session_id
+        loop = asyncio.get_running_loop()
+        route = state.routes.get(move.call_id)
+        if route is None and move.resume and pool.knows(engine := state.llm_calls[move.call_id].started.engine_id):
+            engine_id, attempt = engine, -1  # started before it was routed: its engine answers from its record
+        else:
+            if route is None:
+                route = await self._route(state, move, attempt=0)
+            engine_id, attempt = route.engine_id, route.attempt
+        if not move.resume:
+            await self._append_all(decide(state, move, engine_id=ev.EngineId(engine_id), tools=self.tools))
+            crash_point("planner.after_llm_started")
+        priority = self.priority(state)
+        deadline = loop.time() + self.engine_patience_s
+        waits = 0
+        while True:
+            if not pool.knows(engine_id):  # a route recorded by a planner with other engines
+                route = await self._route(state, move, attempt=attempt + 1, failed=engine_id, keep=route)
+                engine_id, attempt = route.engine_id, route.attempt
+                continue
+            # An engine's queue, as far as this planner knows: the prompt tokens its calls in flight
+            # there must compute (what the router expected; all of them for a call it did not route).
+            asked, tokens = engine_id, route.expected_recompute_tokens if route is not None else move.prompt.num_tokens
+            pool.begin(asked, tokens)
+            try:
+                completion = await self._ask(pool.client(asked), sid, move, priority)
+            except EngineUnavailable as e:
+                now = loop.time()
+                pool.mark_down(asked, now)
+                if any(i.healthy for i in pool.infos(now, exclude=[asked])):
+                    _log.warning("engine %s unavailable (%s); %s fails over", asked, e, move.request_id)
+                    route = await self._route(state, move, attempt=attempt + 1, failed=asked, keep=route)
+                    engine_id, attempt = route.engine_id, route.attempt
+                    continue
+                if now >= deadline:
+                    reason = f"no engine reachable for {self.engine_patience_s:g} s: {e}"
+                    await self._append_all([engine_failed(state, reason)])
+                    return
+                delay = ENGINE_RETRY_S[min(waits, len(ENGINE_RETRY_S) - 1)]
+                _log.warning("no engine reachable (%s); retrying %s in %.1f s", e, move.request_id, delay)
+                await asyncio.sleep(delay)
+                waits += 1
+                continue
+            except EngineError as e:
+                await self._append_all([engine_failed(state, str(e))])
+                return
+            finally:
+                pool.end(asked, tokens)
+            pool.mark_up(asked)
+            await self._completed(state, move, completion)
+            return
+
+    async def _route(
+        self,
+        state: SessionState,
+        move: CallEngine,
+        *,
+        attempt: int,
+        failed: str | None = None,
+        keep: ev.EngineRouted | None = None,
+    ) -> ev.EngineRouted:
+        """Choose the size (a failover keeps ``keep``'s) and the engine; append ``EngineRouted``."""
+        from services.routing import CallRequest, SizeChoice, choose_size
+
+        pool = self.pool
+        assert pool is not None
+        now = asyncio.get_running_loop().time()
+        sid = state.session_id
+        if keep is not None:
+            choice = SizeChoice(keep.model_size, keep.size_reason)
+        else:
+            program = self.programs.get(state.program)
+            choice = choose_size(
+                state.program,
+                str(step_of(move.call_id)),
+                declared=move.size or getattr(program, "model_size", None),
+                pinned=state.model_pin,
+                stats=self.size_stats,
+                retry=_after_failed_tool(state, move.call_id),
+                available=pool.sizes(now),
+            )
+        cached = prefix_on(state, await self._dropped(state))
+        call = CallRequest(
+            sid, move.prompt.num_tokens, cached, parent_session_id=state.parent_session_id, size=choice.size
+        )
+        # Every engine, the ones marked down as unhealthy: the router keeps to the call's size, falls
+        # back to the other one, and sees a down engine that held the prefix (a failover). When every
+        # engine is marked down the marks are only guesses: all are tried as if up.
+        engines = pool.infos(now)
+        if not any(e.healthy for e in engines):
+            engines = [replace(e, healthy=True) for e in engines if e.engine_id != failed] or [
+                replace(e, healthy=True) for e in engines
+            ]
+        chosen = self.router.route(call, engines)
+        if not failed:
+            # The engine that holds the session's prefix is known to be down: moving off it is a failover.
+            failed = next((e for e in cached if e != chosen.engine_id and not pool.healthy(e, now)), None)
+        body = routed(
+            call_id=move.call_id,
+            request_id=move.request_id,
+            attempt=attempt,
+            route=chosen,
+            router=self.router_name,
+            prompt_tokens=move.prompt.num_tokens,
+            cached=cached,
+            size=choice,
+            failed_engine_id=failed,
+            reason="failover" if failed else None,
+        )
+        await self.append(sid, body, kind="routed", key=f"{move.call_id}/{attempt}")
+        crash_point("planner.after_routed")
+        return body
+
+    async def _dropped(self, state: SessionState) -> list[str]:
+        """The engine of the session's last call, if the cache manager discarded its prefix there
+        since (a fork's inherited call: its parent's decisions)."""
+        call = last_call(state)
+        if self.cache_view is None or call is None or call.completed is None:
+            return []
+        owner = call.origin or state.session_id
+        await self.cache_view.refresh(self.log.partition_for(owner))
+        engine = call.completed.engine_id
+        return [engine] if self.cache_view.dropped(owner, engine, call.completed_at) else []
+
+    def _learn(self, state: SessionState) -> None:
+        """A finished session's routed calls teach the size stats (once per session)."""
+        if self.size_stats is None or not state.finished or state.session_id in self._learned:
+            return
+        self._learned.add(state.session_id)
+        learn(state, self.size_stats.record)
+
     def priority(self, state: SessionState) -> int | None:
         """The priority of the session's next call: now on the log's clock, placed by its program's
         progress on the critical path (its branches: the sessions this planner holds)."""
@@ -404,6 +614,18 @@ class PlannerWorker(SessionWorker):
             return None
         now = self.log.clock().timestamp()
         return call_priority(now, program_progress(state, self.sessions), config=self.scheduling)
+
+    async def _ask(self, engine: Engine, session_id: str, move: CallEngine, priority: int | None) -> Any:
+        return await engine.complete(
+            session_id=session_id,
+            request_id=move.request_id,
+            prompt=move.prompt,
+            max_output_tokens=move.max_output_tokens,
+            messages=move.messages,
+            tools=move.tools,
+            tool_choice=move.tool_choice,
+            priority=priority,
+        )
 
     async def _complete(self, session_id: str, move: CallEngine, priority: int | None = None) -> Any:
         """Ask the engine, retrying while it is unreachable (it may be restarting); every retry
@@ -413,16 +635,7 @@ class PlannerWorker(SessionWorker):
         attempt = 0
         while True:
             try:
-                return await self.engine.complete(
-                    session_id=session_id,
-                    request_id=move.request_id,
-                    prompt=move.prompt,
-                    max_output_tokens=move.max_output_tokens,
-                    messages=move.messages,
-                    tools=move.tools,
-                    tool_choice=move.tool_choice,
-                    priority=priority,
-                )
+                return await self._ask(self.engine, session_id, move, priority)
             except EngineUnavailable as e:
                 if loop.time() >= deadline:
                     raise EngineError(f"engine unavailable for {self.engine_patience_s:g} s: {e}") from e
@@ -430,6 +643,24 @@ class PlannerWorker(SessionWorker):
                 _log.warning("engine unavailable (%s); retrying %s in %.1f s", e, move.request_id, delay)
                 await asyncio.sleep(delay)
                 attempt += 1
+
+
+def _after_failed_tool(state: SessionState, call_id: str) -> bool:
+    """Whether this LLM call retries what the small model got wrong: the step before it is a tool
+    call that failed or was aborted, proposed by an LLM call the small model served
+    (``choose_size``'s ``retry``)."""
+    step = step_of(call_id)
+    failed = [
+        t
+        for t in state.tool_calls.values()
+        if step_of(t.call_id) == step - 1 and t.status in (ToolStatus.FAILED, ToolStatus.ABORTED)
+    ]
+    if not failed:
+        return False
+    earlier = [c for c in state.llm_calls.values() if step_of(c.call_id) < step - 1]
+    proposer = max(earlier, key=lambda c: step_of(c.call_id), default=None)
+    route = state.routes.get(proposer.call_id) if proposer is not None else None
+    return route is not None and route.model_size == "small"
 
 
 _BRANCH_NEWS = (ev.SessionFinished, ev.SessionFailed, ev.ToolCallInDoubt, ev.ToolCallStarted)

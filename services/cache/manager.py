@@ -205,6 +205,8 @@ class Decided:
     kind: str  # gap, end, pressure, ttl, relook
     at: float
     decision: CacheDecision
+    engine_id: str = ""
+    """The engine whose memory it is about (``services.cache.engines``); empty: the configured one."""
 
     @property
     def session_id(self) -> SessionId:
@@ -367,6 +369,16 @@ class CacheManager:
                 self._set_hold(session_id, s, Hold.DISCARDED)
         if s.hold is Hold.DISCARDED and s.charged == 0 and s.host_charged == 0 and self.builder.forgettable(session_id):
             self._forget(session_id)
+        self.num_decisions += len(out)
+        return out
+
+    def advance(self, at: float) -> list[Decided]:
+        """Let the log's time pass without an event of this manager's (another engine's event):
+        the TTL ends and re-looks it passes, decided as ``apply`` would before its event."""
+        out: list[Decided] = []
+        if at > self.now:
+            self._expire(at, out)
+            self.now = at
         self.num_decisions += len(out)
         return out
 

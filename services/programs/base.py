@@ -83,6 +83,10 @@ class CallLLM:
     """The tools (OpenAI function specs) offered to the model with the messages."""
     tool_choice: str | dict[str, Any] | None = None
     """OpenAI's ``tool_choice`` (``none``, ``auto``, ``required``, a named function); None: the engine's default."""
+    size: str | None = None
+    """The model size the program declares for this step (``small`` or ``large``); None: no opinion. Only a
+    stack with engines of several sizes reads it (``services.routing.choose_size``); it is not in the prompt
+    digest, so declaring it does not change what replay checks."""
 
 
 @dataclass(frozen=True, slots=True)

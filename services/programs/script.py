@@ -1,7 +1,8 @@
 """The ``script`` program: a fixed list of steps, for tests, demos and operators' dry runs.
 
 Arguments: ``{"steps": [...]}`` where each step is
-``{"llm": {"prompt_tokens": n, "output_tokens": m}}`` or
+``{"llm": {"prompt_tokens": n, "output_tokens": m}}`` (with ``"size": "small"`` or
+``"large"``: the model size the step declares, for a stack with engines of both sizes) or
 ``{"tool": "<name>", "arguments": {...}}``, ``{"checkpoint": true}`` (a checkpoint
 here) or ``{"fork": [{"steps": [...]}, ...]}`` (one branch per entry, each running
 the steps so far and then its own; the step's result is the merge of their
@@ -49,7 +50,7 @@ class ScriptProgram:
         if "llm" in step:
             spec = step["llm"]
             prompt = (*_context(view), TokenRun(f"{view.context_id}:prompt:{view.step}", int(spec["prompt_tokens"])))
-            return CallLLM(Prompt(prompt), int(spec.get("output_tokens", 16)))
+            return CallLLM(Prompt(prompt), int(spec.get("output_tokens", 16)), size=spec.get("size"))
         if "tool" in step:
             return CallTool(str(step["tool"]), dict(step.get("arguments", {})), step.get("resource"))
         if "checkpoint" in step:

@@ -271,10 +271,13 @@ class Context:
         tools: Sequence[Mapping[str, Any]] = (),
         max_tokens: int = DEFAULT_MAX_TOKENS,
         tool_choice: str | Mapping[str, Any] | None = None,
+        size: str | None = None,
     ) -> _Step:
         """Ask the model: ``messages`` are OpenAI chat messages, ``tools`` OpenAI function specs,
         ``tool_choice`` OpenAI's (``"none"``, ``"auto"``, ``"required"`` or
         ``{"type": "function", "function": {"name": ...}}``; None: the engine's default).
+        ``size``: the model size this step needs (``"small"`` or ``"large"``), for a stack with engines of
+        both sizes (``services.routing.choose_size``: an operator's pin and what the log learned weigh in).
 
         Returns a ``Reply``. A chat engine is sent the messages and tools as they are; a completions
         engine the messages rendered into one text prompt (``render_messages``). Either way the
@@ -284,7 +287,9 @@ class Context:
         tool_specs = tuple(_json_copy(t, "a tool spec") for t in tools)
         choice = None if tool_choice is None else _json_copy(tool_choice, "tool_choice")
         prompt = Prompt(text=render_messages(normalized, tool_specs, choice))
-        return _LLMStep(self, CallLLM(prompt, int(max_tokens), normalized, tool_specs, choice))
+        if size not in (None, "small", "large"):
+            raise ValueError(f"size must be 'small', 'large' or None, got {size!r}")
+        return _LLMStep(self, CallLLM(prompt, int(max_tokens), normalized, tool_specs, choice, size))
 
     def tool(self, name: str, args: Mapping[str, Any] | None = None, *, resource: str | None = None) -> _Step:
         """Call a tool; returns its result, raises ``ToolError`` when it was aborted or failed.

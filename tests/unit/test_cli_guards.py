@@ -62,3 +62,16 @@ def test_the_console_logs_in_as_the_operator() -> None:
     from cli.stack import _principal
 
     assert _principal("console") == "operator" and _principal("projector") == "projector"
+
+
+def test_pin_model_takes_small_large_or_none() -> None:
+    result = CliRunner().invoke(app, ["pin-model", "s", "huge", "--log-url", "kafka://127.0.0.1:1"])
+    assert result.exit_code == 2 and "size must be small, large or none, got 'huge'" in _said(result.output)
+
+
+def test_up_engine_sizes_name_at_most_one_size_per_engine() -> None:
+    url = "postgresql://nobody@127.0.0.1:1/x"
+    bad = CliRunner().invoke(app, ["up", "--log-url", url, "--engines", "2", "--engine-sizes", "large,tiny"])
+    assert bad.exit_code == 2 and "--engine-sizes" in _said(bad.output)
+    more = CliRunner().invoke(app, ["up", "--log-url", url, "--engine-sizes", "large,small"])
+    assert more.exit_code == 2 and "at most 1" in _said(more.output)

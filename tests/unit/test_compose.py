@@ -98,6 +98,7 @@ def test_each_process_is_its_own_principal_and_writes_only_its_topic(services: d
         "executor": "executor",
         "cache-manager": "cache-manager",
         "engine-bridge": "engine-bridge",
+        "engine-bridge-1": "engine-bridge",
         "vllm-bridge": "engine-bridge",
         "gateway": "gateway",
         "projector": "projector",
@@ -183,3 +184,31 @@ def test_the_projector_and_the_console_run_in_the_stack(services: dict[str, Any]
     assert console["command"][:1] == ["console"] and "8300" in console["command"]
     for variable in ("AGENTLOG_CONSOLE_PASSWORD", "AGENTLOG_CONSOLE_AUDITOR_PASSWORD", "AGENTLOG_CONSOLE_SECRET"):
         assert console["environment"][variable].startswith(f"${{{variable}:?"), "from .env, never in the file"
+
+
+def test_a_second_engine_and_its_bridge_run_under_the_engines_profile(services: dict[str, Any]) -> None:
+    from workers.engines.pool import parse_engines
+
+    engine, bridge = services["engine-1"], services["engine-bridge-1"]
+    assert engine["profiles"] == bridge["profiles"] == ["engines"]
+    assert "profiles" not in services["engine"] and "profiles" not in services["engine-bridge"]
+    assert engine["command"][0] == "engine" and "healthcheck" in engine
+    assert engine["volumes"] != services["engine"]["volumes"], "each engine keeps its own record of served requests"
+    assert bridge["depends_on"]["engine-1"] == {"condition": "service_healthy"}
+    assert bridge["restart"] == "unless-stopped"
+
+    def option(command: list[str], name: str) -> str:
+        return command[command.index(name) + 1]
+
+    assert option(engine["command"], "--engine-id") == option(bridge["command"], "--engine-id") == "sim-1"
+    assert option(bridge["command"], "--engine-url") == "http://engine-1:8100"
+    # The planner and the cache manager take the engines from AGENTLOG_ENGINES (empty: one engine);
+    # the example the file documents names each engine as its bridge does, at its service's URL.
+    for name in ("planner", "cache-manager"):
+        assert services[name]["environment"]["AGENTLOG_ENGINES"] == "${AGENTLOG_ENGINES:-}", name
+    example = re.search(r'"(sim-0=[^"]+)"', COMPOSE.read_text()).group(1)  # type: ignore[union-attr]
+    specs = parse_engines(example)
+    bridges = {option(services[b]["command"], "--engine-id"): option(services[b]["command"], "--engine-url")
+               for b in ("engine-bridge", "engine-bridge-1")}  # fmt: skip
+    assert {s.engine_id: s.url for s in specs} == bridges
+    assert [s.size for s in specs] == ["large", "small"]

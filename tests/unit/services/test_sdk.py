@@ -18,6 +18,7 @@ from schemas import events as ev
 from schemas.events import EffectClass
 from services.planning import FailSession, next_move
 from services.programs import CallLLM, CallTool, Finish, Fork, LLMResult, ProgramView, TakeCheckpoint, ToolResult
+from services.programs.base import Prompt
 from services.programs.sdk import FORK_KEY, render_messages
 from services.sdk import (
     Context,
@@ -307,3 +308,31 @@ def test_nondeterminism_is_raised_by_next_action_itself() -> None:
     tool = ToolResult("tool-0", "lookup", True, {}, 1, None, {"q": 1})
     with pytest.raises(NonDeterminism, match="step 0: the log holds tool call tool-0"):
         agent.next_action(ProgramView("s", {"goal": "x"}, (tool,)))
+
+
+@program(name="sized")
+async def sized(ctx: Context) -> str:
+    cheap = await ctx.llm(messages=[{"role": "user", "content": "classify"}], size="small")
+    return (await ctx.llm(messages=[{"role": "user", "content": cheap.text}])).text
+
+
+def test_a_step_declares_its_model_size_without_changing_its_prompt() -> None:
+    first = sized.next_action(ProgramView("s", {}))
+    assert isinstance(first, CallLLM) and first.size == "small"
+    llm = LLMResult("llm-0", "s/llm-0", "spam", 4, 1, first.prompt.digest())
+    second = sized.next_action(ProgramView("s", {}, (llm,)))
+    assert isinstance(second, CallLLM) and second.size is None
+    # The size is not part of the prompt: the digest replay checks is the messages' alone.
+    assert first.prompt.digest() == Prompt(text=render_messages(first.messages)).digest()
+
+
+def test_a_size_other_than_small_or_large_fails_the_step() -> None:
+    @program(name="huge")
+    async def huge(ctx: Context) -> str:
+        return (await ctx.llm(messages=[{"role": "user", "content": "x"}], size="huge")).text
+
+    world = world_with(huge)
+    request(world, "s", "huge", {})
+    world.settle()
+    state = world.state("s")
+    assert state.status is SessionStatus.FAILED and "size must be" in (state.failure or "")
