@@ -18,6 +18,7 @@ never restarted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -30,7 +31,7 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -384,6 +385,8 @@ class FaultInjector(threading.Thread):
 class ChaosReport:
     sessions: int
     faults: Counter[str]
+    requested_during_faults: int = 0
+    """Requests acknowledged before the last fault: the sessions the faults could hit."""
     finished: int = 0
     failed_with_reason: int = 0
     unended: list[str] = field(default_factory=list)
@@ -417,6 +420,7 @@ class ChaosReport:
         p95 = f"{rec[min(len(rec) - 1, max(0, round(0.95 * len(rec)) - 1))]:.1f} s" if rec else "n/a"
         rows = [
             ("sessions", str(self.sessions)),
+            ("sessions requested while faults ran", str(self.requested_during_faults)),
             ("faults injected", str(sum(self.faults.values()))),
             *((f"  {kind}", str(n)) for kind, n in sorted(self.faults.items())),
             ("sessions finished", str(self.finished)),
@@ -455,6 +459,8 @@ class ChaosRun:
     """The run's broker listens here and its controller on the next port (0: free ports)."""
     min_broker_faults: int = 1
     """At least this many broker faults (kills and pauses in turn), if the window has room."""
+    requested_during_faults: int = 0
+    """Sessions whose request was acknowledged while the schedule was still running."""
 
     def schedule(self) -> list[Fault]:
         """The faults of this run: the seed, the counts and whether Postgres is the run's own decide them."""
@@ -515,18 +521,19 @@ class ChaosRun:
         session after the last fault (it finishes only if no consumer stopped), and operate."""
 
         async def requests() -> None:
-            loop = asyncio.get_running_loop()
-            start = loop.time()
-            for i, session in enumerate(sessions):
-                await asyncio.sleep(max(0.0, start + i * window / len(sessions) - loop.time()))
-                await _retrying(operator, i, session)
-                operator.sessions.append(session)
-                # Polled, not joined in a thread: a cancelled run must not wait for the schedule.
-                while injector.is_alive():  # noqa: ASYNC110 - a thread, not a coroutine, to wait for
-                    await asyncio.sleep(0.5)
-            canary = f"canary-{operator.namespace}"
-            await _retrying(operator, len(sessions), canary)
-            operator.sessions.append(canary)
+            requester = _Requester(operator)
+
+            async def request(i: int, session: str) -> None:
+                await requester.request(i, session)
+                if injector.is_alive():
+                    self.requested_during_faults += 1
+
+            try:
+                await request_over_window(sessions, window, request, injector.is_alive)
+                canary = f"canary-{operator.namespace}"
+                await requester.request(len(sessions), canary)
+            finally:
+                await requester.close()
 
         tasks: list[asyncio.Task[None]] = []
 
@@ -546,6 +553,7 @@ class ChaosRun:
 
     def _check(self, operator: Operator, book: SessionBook, injector: FaultInjector) -> ChaosReport:
         report = ChaosReport(sessions=len(operator.sessions), faults=injector.applied)
+        report.requested_during_faults = self.requested_during_faults
         report.fault_errors = injector.errors
         for session in operator.sessions:
             state = book.records[session].state if session in book.records else None
@@ -589,22 +597,64 @@ class ChaosRun:
         return report
 
 
-async def _retrying(operator: Operator, i: int, session: str, attempts: int = 60) -> None:
-    """A request while the broker is down or paused fails (or is never acknowledged): try again,
-    each time through a log of its own, until the broker is back."""
+async def request_over_window(
+    sessions: list[str],
+    window_s: float,
+    request: Callable[[int, str], Awaitable[None]],
+    schedule_running: Callable[[], bool],
+) -> None:
+    """Request session ``i`` at ``i * window_s / len(sessions)``: the sessions are under way
+    while the faults happen (the point of the run), then wait for the schedule to end.
 
-    async def once() -> None:
-        async with open_log(operator.log_url, actor="operator", namespace=operator.namespace) as log:
-            await operator.request(log, i, session)
+    Polled, not joined in a thread: a cancelled run must not wait for the schedule."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for i, session in enumerate(sessions):
+        await asyncio.sleep(max(0.0, start + i * window_s / len(sessions) - loop.time()))
+        await request(i, session)
+    while schedule_running():  # noqa: ASYNC110 - a thread, not a coroutine, to wait for
+        await asyncio.sleep(0.5)
 
-    for attempt in range(attempts):
-        try:
-            await asyncio.wait_for(once(), ACT_TIMEOUT_S)
-            return
-        except Exception:
-            if attempt == attempts - 1:
-                raise
-            await asyncio.sleep(1.0)
+
+class _Requester:
+    """Appends the session requests through one log while it works, and through a fresh one
+    after a failure: a request while the broker is down or paused fails (or is never
+    acknowledged: an acknowledgement lost with the old broker must not hold the requests),
+    and is tried again until the broker is back. One log for all, not one per request:
+    opening a log (a producer, metadata) takes seconds on a loaded machine, longer than the
+    gap between two requests of a large run."""
+
+    def __init__(self, operator: Operator) -> None:
+        self.operator = operator
+        self._log: Any = None
+        self._exit: contextlib.AsyncExitStack | None = None
+
+    async def request(self, i: int, session: str, attempts: int = 60) -> None:
+        for attempt in range(attempts):
+            try:
+                await asyncio.wait_for(self._once(i, session), ACT_TIMEOUT_S)
+                self.operator.sessions.append(session)
+                return
+            except Exception:
+                await self.close()
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(1.0)
+
+    async def _once(self, i: int, session: str) -> None:
+        if self._log is None:
+            exit_stack = contextlib.AsyncExitStack()
+            self._exit = exit_stack
+            self._log = await exit_stack.enter_async_context(
+                open_log(self.operator.log_url, actor="operator", namespace=self.operator.namespace)
+            )
+        await self.operator.request(self._log, i, session)
+
+    async def close(self) -> None:
+        exit_stack, self._exit, self._log = self._exit, None, None
+        if exit_stack is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(exit_stack.aclose(), ACT_TIMEOUT_S)
 
 
 @dataclass
