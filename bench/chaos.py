@@ -1,6 +1,6 @@
 """Chaos at scale: sessions on a real stack while every role, the engine and the broker are hit.
 
-    python -m bench.chaos [--sessions 200] [--faults 100] [--seed 1] [--time-scale 0.1]
+    python -m bench.chaos [--sessions 200] [--faults 100] [--seed 1] [--time-scale 0.1] [--deadline 600]
         [--pg-url postgresql://...] [--broker-port PORT] [--work-dir DIR]
 
 A Kafka broker of the run's own (its own port and data directory) and the stack's processes
@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--time-scale", type=float, default=0.1, help="the sim engine's and tools' time factor")
     parser.add_argument("--window", type=float, default=0.0, help="seconds to spread faults over (0: from counts)")
+    parser.add_argument(
+        "--deadline", type=float, default=600.0, help="seconds after the fault window for every session to end"
+    )
     parser.add_argument("--pg-url", help="use this Postgres (not restarted) instead of one of the run's own")
     parser.add_argument("--broker-port", type=int, default=0, help="the run's broker port (+1: its controller)")
     parser.add_argument("--work-dir", type=Path, help="default: a fresh temp dir (kept: the processes' logs)")
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         args.faults,
         args.seed,
         window_s=args.window,
+        deadline_s=args.deadline,
         time_scale=args.time_scale,
         broker_port=args.broker_port,
     )
