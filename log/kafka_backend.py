@@ -181,6 +181,7 @@ class KafkaBackend(KafkaCluster, Backend):
 
     name = "kafka"
     _producer: Any = None
+    _closed = False
 
     def _consumer(self, **config: Any) -> Any:
         return KafkaConsumer(
@@ -194,6 +195,7 @@ class KafkaBackend(KafkaCluster, Backend):
         )
 
     async def start(self) -> None:
+        self._closed = False
         try:
             self._producer = await built_in_thread(
                 lambda: KafkaProducer(
@@ -212,12 +214,31 @@ class KafkaBackend(KafkaCluster, Backend):
         _log.info("producing to %s with kafka-python %s", self.bootstrap, kafka.__version__)
 
     async def close(self) -> None:
-        if self._producer is not None:
-            await asyncio.to_thread(self._producer.close)
-            self._producer = None
-        for consumer in self._scanners:
-            await asyncio.to_thread(consumer.close)
-        self._scanners.clear()
+        """Close the producer and every scan consumer, all of them even if the caller gives up.
+
+        A chaos run's operator gives a round 30 s (``wait_for``) while the broker may be paused,
+        when the producer's close waits for its sends in flight: cancelled between two awaits,
+        the scan consumers after it were never closed (pytest failed a run on their socket
+        pairs). One thread closes everything, shielded: a cancelled caller leaves it running."""
+        self._closed = True
+        producer, self._producer = self._producer, None
+        scanners, self._scanners = self._scanners, []
+
+        def close_all() -> None:
+            if producer is not None:
+                producer.close()
+            for scanner in scanners:
+                scanner.close()
+
+        await asyncio.shield(asyncio.to_thread(close_all))
+
+    def _give_back(self, scanner: Any) -> None:
+        """Pool a scan consumer for the next scan; closed if the backend closed meanwhile (a scan
+        whose generator is finalized late, after its log was closed, hands it back then)."""
+        if self._closed:
+            threading.Thread(target=scanner.close, daemon=True).start()
+        else:
+            self._scanners.append(scanner)
 
     async def create_topics(self, num_partitions: int) -> None:
         def create() -> None:
@@ -251,7 +272,7 @@ class KafkaBackend(KafkaCluster, Backend):
                     for t in topic_table.TOPICS
                 }
             finally:
-                self._scanners.append(scanner)
+                self._give_back(scanner)
             self._num_partitions = one_partition_count(counts)
         return self._num_partitions
 
@@ -296,7 +317,7 @@ class KafkaBackend(KafkaCluster, Backend):
                     position = max(position, await asyncio.to_thread(scanner.position, tp))
         finally:
             scanner.assign([])
-            self._scanners.append(scanner)
+            self._give_back(scanner)
 
     async def end_offsets(self, topic: str) -> dict[int, int]:
         n = await self.num_partitions()
@@ -305,7 +326,7 @@ class KafkaBackend(KafkaCluster, Backend):
             tps = [TopicPartition(self.physical(topic), p) for p in range(n)]
             ends = await asyncio.to_thread(scanner.end_offsets, tps)
         finally:
-            self._scanners.append(scanner)
+            self._give_back(scanner)
         return {tp.partition: offset for tp, offset in ends.items()}
 
     async def subscribe(
