@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,12 +39,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from log.local_kafka import free_ports
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A free port outside the ephemeral range: a process restarted on it gets it back."""
+    (port,) = free_ports(1)
+    return port
 
 
 @dataclass

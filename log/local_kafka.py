@@ -39,6 +39,7 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import re
 import secrets
 import shutil
@@ -537,9 +538,53 @@ def _java() -> str:
     return str(Path(java_home) / "bin" / "java") if java_home else "java"
 
 
-def _free_ports(count: int) -> list[int]:
-    # Hold all sockets open together so the ports differ; someone may still take
-    # one before Kafka binds it, which start() then reports via the broker log.
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10000
+"""Ports a broker picks for itself are drawn from here up to the ephemeral range."""
+
+
+def _ephemeral_range() -> tuple[int, int] | None:
+    """The kernel's range of local ports for outgoing connections (Linux), None if unknown."""
+    try:
+        low, high = (int(x) for x in EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free now, outside the kernel's ephemeral range where it can.
+
+    A broker that is killed and started again (the chaos runs) must get its ports back. One
+    in the ephemeral range is free for the kernel to hand out as the local port of any
+    outgoing connection while the broker is down, a client of the broker reconnecting to it
+    included (a TCP self-connect); the restart is then refused ("port ... in use"), and the
+    broker stays down (a chaos run waited out its deadline so). Someone may still bind a
+    port picked here before Kafka does, which start() then reports."""
+    span = _ephemeral_range()
+    if span is None or span[0] - LOWEST_PORT < 1000:
+        return _kernel_ports(count)
+    rng = random.Random()
+    picked: list[int] = []
+    for _ in range(200 * count):
+        port = rng.randrange(LOWEST_PORT, span[0])
+        if port in picked:
+            continue
+        try:
+            _check_free(port)
+        except KafkaBrokerError:
+            continue
+        picked.append(port)
+        if len(picked) == count:
+            return picked
+    return _kernel_ports(count)
+
+
+_free_ports = free_ports
+
+
+def _kernel_ports(count: int) -> list[int]:
+    # Hold all sockets open together so the ports differ.
     socks = [socket.socket() for _ in range(count)]
     try:
         for s in socks:

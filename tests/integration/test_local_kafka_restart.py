@@ -94,3 +94,26 @@ def test_broker_restarts_at_once_after_a_sigkill(tmp_path: Path) -> None:
         asyncio.run(_append_and_read(url, "s-1", 2))
     finally:
         subprocess.run([sys.executable, "-m", "log.local_kafka", "stop", "--pid-file", str(pid_file)], timeout=60)
+
+
+def test_the_ports_a_broker_picks_are_outside_the_ephemeral_range() -> None:
+    """A killed broker must get its ports back: one in the ephemeral range may meanwhile be
+    the local port of any outgoing connection (its own clients reconnecting included), and
+    the restart is refused (a 200-session chaos run's broker stayed down so)."""
+    low, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = _free_ports(2)
+    assert len(set(ports)) == 2
+    assert all(p < low for p in ports), ports
+    for port in ports:
+        _check_free(port)
+
+
+def test_an_outgoing_connections_local_port_refuses_a_broker_start_there() -> None:
+    """Why: a port that the kernel gave a client as its local port is taken for the broker."""
+    with socket.socket() as server:
+        server.bind((HOST, 0))
+        server.listen()
+        with socket.create_connection(server.getsockname()) as client:
+            local_port = client.getsockname()[1]
+            with pytest.raises(KafkaBrokerError, match="already in use"):
+                _check_free(local_port)
