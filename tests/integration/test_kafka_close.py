@@ -1,4 +1,4 @@
-"""A Kafka log's close closes every client it opened, even when its caller gives up.
+"""A kafka-python log's close closes every client it opened, even when its caller gives up.
 
 The CI-sized chaos test held every invariant and pytest still failed it on unclosed AF_UNIX
 sockets (kafka-python's wakeup socket pairs): the operator gives each round 30 s
@@ -23,6 +23,12 @@ from log.topics import AGENT_ACTIONS
 from schemas.events import SessionRequested
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def kafka_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These are kafka-python's clients (``log.kafka_backend``); librdkafka is the default."""
+    monkeypatch.setenv("AGENTLOG_KAFKA_CLIENT", "python")
 
 
 async def closed(client: Any, within_s: float = 30.0) -> bool:
