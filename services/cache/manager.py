@@ -11,16 +11,22 @@ the same events in the same order always give the same decisions and ids.
 bridge) is assumed to hold ``ceil(context_tokens / block_size)``. Right after an LLM
 call a session holds its whole context on the GPU (``ceil((prompt + output) /
 block_size)``, the *floor*), including prefix blocks it reused from other sessions,
-which its own ``KVBlocksStored`` never list; the floor stands until the engine removes
-blocks of the session after reporting that call (its ``KVCacheHit`` comes last), and the
-session's count is the larger of the floor and its own blocks. The bridge polls the
+which its own ``KVBlocksStored`` never list; the session's count is the larger of the floor
+and its own blocks. When the engine has reported that call (its ``KVCacheHit`` comes last)
+the session's own blocks are exact, and the floor less them, at most the blocks the call
+reused (``cached_tokens``), is a prefix other sessions stored: the session's ``shared``
+count, which leaves the floor and its next call's ``need``. Those blocks are charged to the
+session that stored them, not again to each session that reuses them (charged per session,
+a system prompt every session shares counted once per pinned session, and the manager
+evicted for memory that was free). What is left of the floor stands until the engine
+removes blocks of the session after reporting the call. The bridge polls the
 engine, so a call's KV events often reach the log after the planner's
 ``LLMCallCompleted`` and ``ToolCallProposed``: without the floor the gap decision would
 see the blocks held before the call (none, after a swap-out). A session is *charged*
 (its blocks are not free) while
 
 - in an LLM call (``LLMCallStarted`` .. ``LLMCallCompleted``): ``max(need, held)``
-  with ``need = ceil((prompt_tokens + max_output_tokens) / block_size)``;
+  with ``need = ceil((prompt_tokens + max_output_tokens) / block_size) - shared``;
 - pinned by a PRESERVE decision whose TTL has not ended: its GPU blocks.
 
 Everything else is free or evictable (the engine's LRU, as vLLM frees blocks at the
@@ -238,7 +244,8 @@ class _Session:
     kv_seen: bool = False  # kv.events told us about it (else blocks are estimated from tokens)
     completed_call: str = ""  # the last LLM call the planner reported done
     reported_call: str = ""  # the last LLM call the engine's KV events reported (KVCacheHit)
-    floor: int = 0  # blocks of the context its last call left on the GPU, until the engine removes some
+    floor: int = 0  # blocks of the context its last call left on the GPU, until the engine reports the call
+    shared: int = 0  # blocks of its context other sessions stored (a shared prefix): not charged to it
     pin_id: str = ""  # event id of the PRESERVE decision (the trigger of its TTL end)
     swap_id: str = ""  # event id of the SWAP decision (the trigger of its re-looks)
     prefetched: int = 0  # blocks its PREFETCH brings back: charged until kv.events show them
@@ -347,8 +354,9 @@ class CacheManager:
                 s.floor = 0  # the engine is taking the context apart (LRU, a swap): count what is left
             self._recharge(session_id, s)
         elif isinstance(body, LLMCallStarted):
-            s.need = -(-(body.prompt_tokens + body.max_output_tokens) // self.config.block_size)
-            self._max_need = max(self._max_need, s.need)
+            need = -(-(body.prompt_tokens + body.max_output_tokens) // self.config.block_size)
+            self._max_need = max(self._max_need, need)
+            s.need = max(0, need - s.shared)  # the shared prefix is charged to the session that stored it
             s.host_reserved = 0  # the call brings swapped blocks back
             self._set_hold(session_id, s, Hold.ACTIVE)
             if self.gpu_used > self.config.gpu_total_blocks:
@@ -359,6 +367,12 @@ class CacheManager:
             self._set_hold(session_id, s, Hold.NONE)  # vLLM frees the call's blocks (cached, LRU)
         elif isinstance(body, KVCacheHit):
             s.reported_call = body.call_id  # the engine's events of that call are all in (the hit comes last)
+            if s.kv_seen and s.floor and s.reported_call == s.completed_call:
+                # Its own blocks are exact now; the rest of the floor, up to what the call reused,
+                # is a prefix others stored.
+                own = self.builder.view(session_id).gpu_blocks
+                s.shared = max(0, min(s.floor - own, body.cached_tokens // self.config.block_size))
+                s.floor -= s.shared
             self._recharge(session_id, s)
         elif isinstance(body, ToolCallProposed):
             self._decide(event_id, "gap", session_id, s, now, out)

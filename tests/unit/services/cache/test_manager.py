@@ -208,7 +208,7 @@ def test_a_session_with_no_blocks_gets_no_decision() -> None:
     assert feed.send("a", ev.SessionFailed(reason="x", error_type="E"), 1.0) == []
 
 
-def test_a_session_holds_its_last_calls_context_until_the_engine_removes_some() -> None:
+def test_a_session_holds_its_last_calls_context_until_the_engine_reports_the_call() -> None:
     feed = Feed()
     feed.pinned("a", 0.0, 304)
     assert feed.manager.gpu_used == 20  # 320 tokens: estimated, no KV event yet
@@ -216,12 +216,30 @@ def test_a_session_holds_its_last_calls_context_until_the_engine_removes_some() 
     stored = ev.KVBlocksStored(engine_id="e", block_hashes=hashes, num_tokens=80, block_size=16, tier=KVTier.GPU)
     feed.send("a", stored, 0.3)
     feed.send("a", stored, 0.3)  # the same hashes again: idempotent
+    assert feed.manager.gpu_used == 20  # the call is not reported yet: its context stands
     hit = ev.KVCacheHit(engine_id="e", call_id="c", cached_tokens=240, prompt_tokens=304, tier=KVTier.GPU)
     feed.send("a", hit, 0.3)
-    assert feed.manager.gpu_used == 20  # 5 blocks of its own, 15 reused from another session's prefix
+    # 5 blocks of its own; the 15 it reused are another session's prefix, charged to that one
+    assert feed.manager.gpu_used == 5
     feed.send("a", ev.KVBlocksRemoved(engine_id="e", block_hashes=hashes[3:], tier=KVTier.GPU), 0.5)
     assert feed.manager.gpu_used == 3  # the engine is taking it apart: what the log says is left
     assert feed.manager.view(SessionId("a")).gpu_blocks == 3
+
+
+def test_a_shared_prefix_is_charged_once_not_per_session_that_reuses_it() -> None:
+    feed = Feed()
+    prefix = [f"p{i}" for i in range(15)]  # a 240-token system prompt, stored by "a"
+    for sid, own in (("a", prefix + ["a0", "a1", "a2", "a3", "a4"]), ("b", ["b0", "b1", "b2", "b3", "b4"])):
+        feed.pinned(sid, 0.0, 304)
+        stored = ev.KVBlocksStored(engine_id="e", block_hashes=own, num_tokens=16 * len(own), block_size=16,
+                                   tier=KVTier.GPU)  # fmt: skip
+        feed.send(sid, stored, 0.3)
+        feed.send(sid, ev.KVCacheHit(engine_id="e", call_id="c", cached_tokens=240, prompt_tokens=304,
+                                     tier=KVTier.GPU), 0.3)  # fmt: skip
+    assert feed.manager.gpu_used == 20 + 5  # the prefix once, not twice (40)
+    # b's next call: 20 + 8 blocks of context, of which the 15 of the prefix are a's
+    feed.llm("b", 1.0, 432)
+    assert feed.manager.gpu_used == 20 + (28 - 15)
 
 
 def test_the_same_events_give_the_same_decisions_and_ids() -> None:
