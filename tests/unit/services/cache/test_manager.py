@@ -229,7 +229,7 @@ def test_a_session_holds_its_last_calls_context_until_the_engine_reports_the_cal
 def test_a_shared_prefix_is_charged_once_not_per_session_that_reuses_it() -> None:
     feed = Feed()
     prefix = [f"p{i}" for i in range(15)]  # a 240-token system prompt, stored by "a"
-    for sid, own in (("a", prefix + ["a0", "a1", "a2", "a3", "a4"]), ("b", ["b0", "b1", "b2", "b3", "b4"])):
+    for sid, own in (("a", [*prefix, "a0", "a1", "a2", "a3", "a4"]), ("b", ["b0", "b1", "b2", "b3", "b4"])):
         feed.pinned(sid, 0.0, 304)
         stored = ev.KVBlocksStored(engine_id="e", block_hashes=own, num_tokens=16 * len(own), block_size=16,
                                    tier=KVTier.GPU)  # fmt: skip
