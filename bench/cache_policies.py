@@ -556,6 +556,29 @@ def print_plas_goals(rows: list[Row], out: TextIO | None = None) -> None:
         f"goal {'met' if met else 'NOT met'}",
         file=out,
     )
+    # Where even a policy that reached the floor would gain less than the goal, the goal is out of reach.
+    bound = {(w, c): best_mean.mean_jct / plas.floor_jct for w, _, c, plas, best_mean, _ in cells}
+    out_of_reach = [f"{w} {c:.0%} ({b:.3f}x)" for (w, c), b in bound.items() if b < PLAS_SPEEDUP_GOAL]
+    reachable = {w for w, _ in bound} - {w for (w, _), b in bound.items() if b < PLAS_SPEEDUP_GOAL}
+    print(
+        f"cells where {PLAS_SPEEDUP_GOAL}x is reachable at all (best mean / floor >= {PLAS_SPEEDUP_GOAL}x): "
+        f"{len(bound) - len(out_of_reach)} of {len(bound)}; out of reach: {', '.join(out_of_reach) or 'none'}; "
+        f"workloads whose every cell can reach it: {len(reachable)} (goal {PLAS_WORKLOADS_GOAL})",
+        file=out,
+    )
+    ours_worst = [
+        max(ours.mean_jct / best_mean.mean_jct - 1, ours.p95_jct / best_p95.p95_jct - 1)
+        for w, load, c, _, best_mean, best_p95 in cells
+        for ours in rows
+        if (ours.workload, ours.load, ours.capacity, ours.policy) == (w, load, c, "ours")
+    ]
+    if ours_worst:
+        print(
+            f"ours (no program-level scheduling) in the same cells: worst vs the best baseline (mean or p95) "
+            f"{max(ours_worst):+.1%}; cells within +{PLAS_SLACK:.0%}: "
+            f"{sum(x <= PLAS_SLACK for x in ours_worst)} of {len(ours_worst)}",
+            file=out,
+        )
 
 
 def write_csv(rows: list[Row], path: Path) -> None:

@@ -285,6 +285,11 @@ def test_the_plas_goal_counts_workloads_over_the_best_non_oracle_baseline(tmp_pa
     assert "best mean kvflow " in out and " 2.50 (1.300x)" in out
     assert "most any policy can gain (best mean / floor): 2.500x" in out
     assert "every cell >= 1.25x: 3 of 3 (goal 3)" in out and "goal met" in out
+    assert "reachable at all (best mean / floor >= 1.25x): 3 of 3; out of reach: none" in out
+    assert "ours (no program-level scheduling) in the same cells: worst vs the best baseline" in out
+    # a cell whose best baseline is within 1.25x of the floor: no policy can reach the goal there
+    print_plas_goals([replace(r, floor_jct=2.2) for r in _plas_rows("e", 1.1)])
+    assert "out of reach: e 50% (1.136x); workloads whose every cell can reach it: 0" in capsys.readouterr().out
     # one cell whose p95 is 2% worse than the best baseline's fails the goal however fast its mean
     print_plas_goals([*rows, *_plas_rows("d", 2.0, p95_slack=1.02)])
     assert "+2.0% (goal <= +1%); goal NOT met" in capsys.readouterr().out
