@@ -87,30 +87,46 @@ class BatchSim(Sim):
         self._chunk_started = 0.0
         self._chunk_batch = 0
         self._resume: dict[SessionId, int] = {}  # preempted session -> tokens its call generated so far
+        self._ran = False  # a chunk with calls ended at this time (then an engine left idle calls on_idle)
 
     def _pins_ended(self, sids: list[SessionId]) -> None:
         """Nothing to do: a running call holds its blocks in its block table whatever its pin does."""
 
     def run(self) -> Metrics:
         self._arrivals()
-        ran = False  # a chunk with calls ended at this time (then an engine left idle calls on_idle)
         while self._events:
-            t, _, kind, sid = heapq.heappop(self._events)
-            self._advance(t)
-            if kind == "ready":
-                self._ready(self.sessions[sid], t)
-            elif kind == "step":
-                ran |= self._step_end(t)
-            elif kind == "relook":
-                self.manager.on_relook(sid, t)
-            if self._events and self._events[0][0] <= t:
-                continue  # everything that happens at t happens before the engine schedules
-            if not self._stepping:
+            self.process_next()
+        return self.finish()
+
+    def process_next(self) -> None:
+        """Handle the next event of this engine's heap (one step of ``run``'s loop). A driver of several
+        engines on one clock (``services.engine.multi``) calls it on the engine whose next event is
+        earliest; ``enqueue`` is its event: a routed call joins this engine's queue."""
+        t, _, kind, sid = heapq.heappop(self._events)
+        self._advance(t)
+        if kind == "ready":
+            self._ready(self.sessions[sid], t)
+        elif kind == "enqueue":
+            self._enqueue(self.sessions[sid], t)
+        elif kind == "step":
+            self._ran |= self._step_end(t)
+        elif kind == "relook":
+            self.manager.on_relook(sid, t)
+        if self._events and self._events[0][0] <= t:
+            return  # everything that happens at t happens before the engine schedules
+        if not self._stepping:
+            self._plan(t)
+            if self._ran and not self._stepping and not self.queue:
+                self.manager.on_idle(t)
                 self._plan(t)
-                if ran and not self._stepping and not self.queue:
-                    self.manager.on_idle(t)
-                    self._plan(t)
-            ran = False
+        self._ran = False
+
+    def next_event_s(self) -> float:
+        """When the next event that could change the batch happens (a chunk of steps ends at or after it)."""
+        return self._events[0][0] if self._events else math.inf
+
+    def finish(self) -> Metrics:
+        """The run's metrics, once its events are done."""
         self.m.swapped_out_blocks = self.cache.stats.num_swapped_out_blocks
         self.m.steps = self.step
         return self.m
@@ -148,7 +164,7 @@ class BatchSim(Sim):
         b = len(self.running)
         k_max = min(self._finish[0][0] - self.step + 1, limit, self.bs)
         context = self._ctx_base + b * self.step
-        horizon = self._events[0][0] - t if self._events else math.inf
+        horizon = self.next_event_s() - t
         k, ms = 1, self._debt_ms + self.cost.batch_step_ms(b, context)
         while k < k_max and ms / _MS < horizon:
             ms += self.cost.batch_step_ms(b, context + b * k)

@@ -483,6 +483,12 @@ class PagedKVCache:
             block_ids=tuple(block.block_id for block in table),
         )
 
+    def num_prefix_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Blocks of the longest prefix of ``block_hashes`` this cache holds, on GPU or on the host tier
+        (what a call with this prompt would not recompute; no touch, no event). What a router in front of
+        several engines reads, as the real one knows it from each engine's KV events."""
+        return len(self._lookup_prefix(block_hashes))
+
     def blocks_to_begin(
         self, block_hashes: Sequence[BlockHash], *, num_prompt_tokens: int, num_decode_tokens: int = 0
     ) -> tuple[int, int]:

@@ -41,7 +41,7 @@ from services.engine.waiting import WaitQueue
 from services.programs.base import TokenRun
 from services.traces.model import Trace, TraceSession
 
-__all__ = ["HUMAN_TOOLS", "Metrics", "Sess", "Sim", "SimManager"]
+__all__ = ["HUMAN_TOOLS", "Metrics", "Sess", "Sim", "SimManager", "extend_context"]
 
 HUMAN_TOOLS = frozenset({"human"})
 _MS = 1000.0
@@ -92,6 +92,21 @@ class Metrics:
     prefetches: int = 0  # host residents brought back to GPU before their call (PREFETCH)
     prefetched_blocks: int = 0  # of swapped_in_blocks: moved by prefetches
     refused: int = 0  # decisions the cache refused (no room, in a call): the sim server's 409
+
+
+def extend_context(s: Sess, block_size: int) -> None:
+    """Append what the session's next call reads: the previous tool's result, then the turn's prompt
+    (the first turn's shared system prompt under its own ids, so sessions share its blocks)."""
+    if s.turn > 0:
+        prev = s.trace.turns[s.turn - 1]
+        s.append(TokenRun(f"{s.sid}:r{s.turn - 1}", prev.tool_result_tokens or 0), block_size)
+    turn = s.trace.turns[s.turn]
+    prefix = turn.shared_prefix if s.turn == 0 else None
+    own = turn.prompt_tokens
+    if prefix is not None:
+        s.append(TokenRun(prefix.context_id, prefix.tokens), block_size)
+        own -= prefix.tokens
+    s.append(TokenRun(f"{s.sid}:p{s.turn}", own), block_size)
 
 
 class SimManager:
@@ -260,21 +275,20 @@ class Sim:
         return moved
 
     def _ready(self, s: Sess, t: float) -> None:
+        extend_context(s, self.bs)
+        self._enqueue(s, t)
+
+    def _enqueue(self, s: Sess, t: float) -> None:
+        """The session's call (its context already extended: ``extend_context``) waits for this engine.
+        Split from ``_ready`` so that a router in front of several engines (``services.engine.multi``)
+        can read the prompt before it picks the engine."""
         if s.turn == 0:
             self._live.add(s.sid)
         else:
             prev = s.trace.turns[s.turn - 1]
             assert prev.tool is not None and prev.tool_duration_s is not None
-            s.append(TokenRun(f"{s.sid}:r{s.turn - 1}", prev.tool_result_tokens or 0), self.bs)
             self.latency.observe(prev.tool, prev.tool_duration_s)
         s.phase, s.tool, s.ready_at = Phase.IDLE, None, t
-        turn = s.trace.turns[s.turn]
-        prefix = turn.shared_prefix if s.turn == 0 else None
-        own = turn.prompt_tokens
-        if prefix is not None:
-            s.append(TokenRun(prefix.context_id, prefix.tokens), self.bs)
-            own -= prefix.tokens
-        s.append(TokenRun(f"{s.sid}:p{s.turn}", own), self.bs)
         self.queue.append(s.sid, self.manager.priority(s, t))
         self.manager.on_ready(s, t)
 
