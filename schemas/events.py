@@ -143,6 +143,33 @@ class LLMCallStarted(Model):
     prompt_tokens: int = Field(description="Tokens in the whole prompt (the context so far).")
     max_output_tokens: int = Field(description="Upper bound on generated tokens.")
     prompt_digest: str = Field(description="SHA-256 hex digest of the prompt, to detect nondeterminism on replay.")
+    # Program-level scheduling (services/scheduling.py): what the call was ranked by, so that replay,
+    # audit and analyze can say why a call waited. All null on a record written before release 8.
+    priority: int | None = Field(
+        default=None,
+        description="The priority the engine request carried (vLLM's scale, lower is served first: a virtual start "
+        "time in milliseconds of log time, services.scheduling), or null: sent without one (scheduling off), or a "
+        "record written before the field existed.",
+        json_schema_extra={"since_release": 8},
+    )
+    priority_attained_ms: float | None = Field(
+        default=None,
+        description="The attained service the priority was computed from: prefill and decode milliseconds of the "
+        "program's completed calls on its critical path, or null.",
+        json_schema_extra={"since_release": 8},
+    )
+    priority_age_ms: float | None = Field(
+        default=None,
+        description="The recorded age the priority was computed from (engine and tool milliseconds of the program's "
+        "critical path, before the cap): it anchors the call at its program's start; or null.",
+        json_schema_extra={"since_release": 8},
+    )
+    priority_warm: bool | None = Field(
+        default=None,
+        description="Whether the priority had the warm credit (the cache manager preserved the session's KV when it "
+        "was computed), or null.",
+        json_schema_extra={"since_release": 8},
+    )
 
 
 class LLMCallCompleted(Model):

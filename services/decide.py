@@ -36,6 +36,7 @@ from services.planning import (
     RefuseRestore,
     StartSession,
 )
+from services.scheduling import CallPriority
 from services.session import SessionState
 from services.tools import TOOLS, ToolSpec, idempotency_key
 
@@ -56,11 +57,18 @@ PureMove = StartSession | CallEngine | ProposeTool | ProposeCompensations | Refu
 
 
 def decide(
-    state: SessionState, move: PureMove, *, engine_id: EngineId, tools: Mapping[str, ToolSpec] | None = None
+    state: SessionState,
+    move: PureMove,
+    *,
+    engine_id: EngineId,
+    tools: Mapping[str, ToolSpec] | None = None,
+    priority: CallPriority | None = None,
 ) -> list[Append]:
     """The events that carry out ``move`` for ``state``'s session (for ``CallEngine``: the
     ``LLMCallStarted`` before the engine is asked, none when it is in the log already).
-    ``tools``: the registered tools (default: the built-ins), for a compensation's effect class."""
+    ``tools``: the registered tools (default: the built-ins), for a compensation's effect class.
+    ``priority``: for ``CallEngine``, the priority the engine request will carry (recorded on the
+    ``LLMCallStarted``; None: it carries none)."""
     sid = state.session_id
     match move:
         case StartSession():
@@ -75,6 +83,10 @@ def decide(
                 prompt_tokens=move.prompt.num_tokens,
                 max_output_tokens=move.max_output_tokens,
                 prompt_digest=move.prompt_digest,
+                priority=None if priority is None else priority.priority,
+                priority_attained_ms=None if priority is None else priority.attained_ms,
+                priority_age_ms=None if priority is None else priority.age_ms,
+                priority_warm=None if priority is None else priority.warm,
             )
             return [Append(sid, started, "llm-started", move.call_id)]
         case ProposeTool():

@@ -57,11 +57,13 @@ from services.session import SessionState
 
 __all__ = [
     "DEFAULT_SCHEDULING",
+    "CallPriority",
     "ProgramProgress",
     "SchedulingConfig",
     "call_priority",
     "call_progress",
     "preserved_until",
+    "prioritize",
     "program_progress",
     "request_priority",
 ]
@@ -139,6 +141,25 @@ def call_priority(ready_at_s: float, progress: ProgramProgress, *, warm: bool = 
     if warm:
         level -= config.warm_credit_ms
     return round(ready_at_s * _MS - anchor + level)
+
+
+@dataclass(frozen=True, slots=True)
+class CallPriority:
+    """A call's priority and what it was computed from, as ``LLMCallStarted`` records them (so that
+    a reader of the log can say why a call waited: a program's age, its attained service, the warm
+    credit)."""
+
+    priority: int
+    attained_ms: float
+    age_ms: float  # the program's recorded age, before the cap (``max_age_credit_ms``)
+    warm: bool
+
+
+def prioritize(ready_at_s: float, progress: ProgramProgress, *, warm: bool = False,
+               config: SchedulingConfig = DEFAULT_SCHEDULING) -> CallPriority:  # fmt: skip
+    """``call_priority`` with its inputs, to record beside it."""
+    priority = call_priority(ready_at_s, progress, warm=warm, config=config)
+    return CallPriority(priority, progress.attained_ms, progress.elapsed_ms, warm)
 
 
 def call_progress(completed: LLMCallCompleted | GatewayLLMCallServed) -> ProgramProgress:

@@ -10,7 +10,7 @@ import pytest
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.read import SchemaResolutionError
 
-from schemas import registry
+from schemas import events, registry
 
 pytestmark = pytest.mark.unit
 
@@ -133,3 +133,54 @@ def test_an_llm_call_completed_of_release_2_reads_without_tool_calls() -> None:
     name, record = read["body"]
     assert name == "agentlog.LLMCallCompleted" and record["tool_calls_json"] is None
     assert record["output_text"] == "s"
+
+
+def _llm_call_started(schema: dict[str, Any]) -> dict[str, Any]:
+    body = next(f for f in schema["fields"] if f["name"] == "body")
+    return next(s for s in body["type"] if isinstance(s, dict) and s.get("name") == "LLMCallStarted")
+
+
+def _write_read(writer: dict[str, Any], reader: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    datum = sample_datum(writer, {})
+    datum["body"] = ("agentlog.LLMCallStarted", record)
+    buf = io.BytesIO()
+    schemaless_writer(buf, parse_schema(writer, named_schemas={}), datum)
+    buf.seek(0)
+    read = schemaless_reader(
+        buf, parse_schema(writer, named_schemas={}), parse_schema(reader, named_schemas={}), return_record_name=True
+    )
+    name, body = read["body"]
+    assert name == "agentlog.LLMCallStarted"
+    return dict(body)
+
+
+PRIORITY_FIELDS = ("priority", "priority_attained_ms", "priority_age_ms", "priority_warm")
+
+
+def test_an_llm_call_started_of_release_7_reads_without_a_priority() -> None:
+    """Release 8 added the call's priority and what it was computed from to ``LLMCallStarted``
+    (each null by default): a record written before reads as a call sent without one."""
+    old = next(r for r in registry.releases() if r.version == 7)
+    written = _llm_call_started(old.schema)
+    assert not set(PRIORITY_FIELDS) & {f["name"] for f in written["fields"]}
+    body = _write_read(old.schema, registry.expanded_envelope(), sample_datum(written, {}))
+    assert all(body[name] is None for name in PRIORITY_FIELDS)
+    assert body["prompt_digest"] == "s"
+    assert events.LLMCallStarted.model_validate(body).priority is None
+
+
+def test_a_reader_of_release_7_reads_an_llm_call_started_with_a_priority() -> None:
+    """An older reader (a process not yet upgraded) reads a new record and skips the new fields."""
+    old = next(r for r in registry.releases() if r.version == 7)
+    current = registry.expanded_envelope()
+    record = {
+        **sample_datum(_llm_call_started(current), {}),
+        "priority": -1_234_567,
+        "priority_attained_ms": 812.5,
+        "priority_age_ms": 40_000.0,
+        "priority_warm": True,
+    }
+    assert _write_read(current, current, record)["priority"] == -1_234_567
+    body = _write_read(current, old.schema, record)
+    assert not set(PRIORITY_FIELDS) & set(body)
+    assert body["prompt_digest"] == "s" and body["turn"] == 7

@@ -17,6 +17,7 @@ from services.scheduling import (
     call_priority,
     call_progress,
     preserved_until,
+    prioritize,
     program_progress,
     request_priority,
 )
@@ -268,3 +269,11 @@ def test_bad_configs_are_refused(field: str, value: float) -> None:
 def test_bad_progress_is_refused(attained: float, elapsed: float) -> None:
     with pytest.raises(ValueError, match="progress"):
         ProgramProgress(attained, elapsed)
+
+
+def test_prioritize_gives_the_priority_with_what_it_was_computed_from() -> None:
+    progress = ProgramProgress(attained_ms=700_000.0, elapsed_ms=900_000.0)
+    ranked = prioritize(5_000.0, progress, warm=True)
+    assert ranked.priority == call_priority(5_000.0, progress, warm=True)
+    assert (ranked.attained_ms, ranked.age_ms, ranked.warm) == (700_000.0, 900_000.0, True)  # before the caps
+    assert prioritize(5_000.0, ProgramProgress()).priority == 5_000_000 and not prioritize(5.0, progress).warm
