@@ -103,7 +103,8 @@ class Role:
 
 
 ROLES: tuple[Role, ...] = (
-    # kv.decisions: the cache manager's decisions about its sessions' KV, for routing (workers/cache_view.py).
+    # kv.decisions: the cache manager's decisions about its sessions' KV, for routing (workers/cache_view.py)
+    # and the warm credit of its priorities (services/scheduling.py).
     Role("planner", (_ACTIONS, _VERDICTS, _EFFECTS, _OPS, _GATEWAY, _KV_DECISIONS), groups=("planner",)),
     Role("decider", (_ACTIONS, _OPS, _VERDICTS), groups=("decider",)),
     Role("executor", (_VERDICTS, _ACTIONS, _EFFECTS, _OPS, _GATEWAY), groups=("executor",)),

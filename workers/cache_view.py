@@ -7,7 +7,9 @@ last call ran, and ``kv.decisions`` says whether the cache manager dropped it th
 is routed (at most every ``refresh_s``; the planner owns the session's partition of every topic,
 co-partitioned), with ``SharedLog.scan``: no consumer group, no commits, only the planner's
 READ on the topic. Bad records are the consumers' business (the DLQ): skipped here. It keeps the
-latest decision per session and engine (one small entry each, for every session routed here).
+latest decision per session and engine (one small entry each, for every session routed here),
+and per session until when its latest decision preserves its KV: the warm credit of the planner's
+priorities (``services.scheduling``), read the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from datetime import datetime
 from log import SharedLog
 from log.topics import KV_DECISIONS
 from schemas.events import CacheAction, CacheDecisionMade
+from services.scheduling import preserved_until
 
 __all__ = ["CacheDecisions"]
 
@@ -29,6 +32,7 @@ class CacheDecisions:
         self._next: dict[int, int] = {}  # partition -> next offset to read
         self._read_at: dict[int, float] = {}
         self._latest: dict[tuple[str, str], tuple[CacheAction, datetime]] = {}  # (session, engine) -> last decision
+        self._preserved: dict[str, float] = {}  # session -> until when (log s) its latest decision preserves its KV
 
     async def refresh(self, partition: int) -> None:
         now = time.monotonic()
@@ -45,7 +49,17 @@ class CacheDecisions:
             body = envelope.body
             if isinstance(body, CacheDecisionMade):
                 self._latest[(envelope.session_id, body.engine_id)] = (body.action, envelope.occurred_at)
+                until = preserved_until(body, envelope.occurred_at.timestamp())
+                if until is None:
+                    self._preserved.pop(envelope.session_id, None)
+                else:
+                    self._preserved[envelope.session_id] = until
         self._next[partition] = max(start, end)
+
+    def preserved(self, session_id: str, now_s: float) -> bool:
+        """Whether the manager's latest decision for the session keeps its KV now (a ``PRESERVE``
+        or ``PREFETCH`` whose TTL runs): the warm credit of its priority (services/scheduling.py)."""
+        return self._preserved.get(session_id, float("-inf")) > now_s
 
     def dropped(self, session_id: str, engine_id: str, since: datetime | None) -> bool:
         """Whether the manager's latest decision for the session on that engine, made after

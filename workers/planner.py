@@ -106,7 +106,7 @@ from services.programs import Program
 from services.programs.base import ModelToolCall
 from services.registry import Registry
 from services.replay import cut_events
-from services.scheduling import SchedulingConfig, call_priority, program_progress
+from services.scheduling import CallPriority, SchedulingConfig, prioritize, program_progress
 from services.session import GATEWAY_PROGRAM, SessionState, ToolStatus, step_of
 from workers.cache_view import CacheDecisions
 from workers.config import SCHEDULING_MODES, log_namespace, scheduling_config, snapshot_url
@@ -441,10 +441,16 @@ class PlannerWorker(SessionWorker):
             await self._call_routed(state, move)
             return
         if not move.resume:
-            await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
+            # Ranked before the start is logged, so that LLMCallStarted records what the request carries.
+            ranked = await self.prioritize(state)
+            appends = decide(state, move, engine_id=self.engine.engine_id, tools=self.tools, priority=ranked)
+            await self._append_all(appends)
             crash_point("planner.after_llm_started")
+            priority = None if ranked is None else ranked.priority
+        else:
+            priority = await self._recorded_priority(state, move)
         try:
-            completion = await self._complete(sid, move, self.priority(state))
+            completion = await self._complete(sid, move, priority)
         except EngineError as e:
             await self._append_all([engine_failed(state, str(e))])
             return
@@ -486,9 +492,13 @@ class PlannerWorker(SessionWorker):
                 route = await self._route(state, move, attempt=0)
             engine_id, attempt = route.engine_id, route.attempt
         if not move.resume:
-            await self._append_all(decide(state, move, engine_id=ev.EngineId(engine_id), tools=self.tools))
+            ranked = await self.prioritize(state)
+            appends = decide(state, move, engine_id=ev.EngineId(engine_id), tools=self.tools, priority=ranked)
+            await self._append_all(appends)
             crash_point("planner.after_llm_started")
-        priority = self.priority(state)
+            priority = None if ranked is None else ranked.priority
+        else:
+            priority = await self._recorded_priority(state, move)
         deadline = loop.time() + self.engine_patience_s
         waits = 0
         while True:
@@ -607,13 +617,32 @@ class PlannerWorker(SessionWorker):
         self._learned.add(state.session_id)
         learn(state, self.size_stats.record)
 
-    def priority(self, state: SessionState) -> int | None:
+    async def priority(self, state: SessionState) -> int | None:
         """The priority of the session's next call: now on the log's clock, placed by its program's
-        progress on the critical path (its branches: the sessions this planner holds)."""
+        progress on the critical path (its branches: the sessions this planner holds), ahead by the
+        warm credit while the cache manager preserves its KV."""
+        ranked = await self.prioritize(state)
+        return None if ranked is None else ranked.priority
+
+    async def prioritize(self, state: SessionState) -> CallPriority | None:
+        """``priority`` with what it was computed from (recorded on ``LLMCallStarted``)."""
         if self.scheduling is None:
             return None
+        if self.cache_view is None:  # the warm credit reads kv.decisions as routing does
+            self.cache_view = CacheDecisions(self.log)
+        await self.cache_view.refresh(self.log.partition_for(state.session_id))
         now = self.log.clock().timestamp()
-        return call_priority(now, program_progress(state, self.sessions), config=self.scheduling)
+        warm = self.cache_view.preserved(state.session_id, now)
+        return prioritize(now, program_progress(state, self.sessions), warm=warm, config=self.scheduling)
+
+    async def _recorded_priority(self, state: SessionState, move: CallEngine) -> int | None:
+        """A resumed call's priority (its LLMCallStarted is in the log, the engine may not have been
+        asked): the one recorded, so that the call keeps its place after a crash; a record without
+        one (scheduling was off, or written before release 8) is ranked now."""
+        call = state.llm_calls.get(move.call_id)
+        if call is not None and call.started.priority is not None and self.scheduling is not None:
+            return call.started.priority
+        return await self.priority(state)
 
     async def _ask(self, engine: Engine, session_id: str, move: CallEngine, priority: int | None) -> Any:
         return await engine.complete(

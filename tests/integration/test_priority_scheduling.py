@@ -25,6 +25,7 @@ from log.snapshots import SnapshotStore
 from schemas import events as ev
 from services.checkpoint import fold_events
 from services.replay import cut_events
+from services.scheduling import DEFAULT_SCHEDULING
 from workers.config import scheduling_config
 from workers.decider import DeciderWorker
 from workers.engines.factory import create_engine
@@ -146,9 +147,14 @@ SCRIPT = [
 ]
 
 
+@pytest.mark.parametrize("preserved", [False, True], ids=["cold", "preserved"])
 def test_the_planner_sends_each_call_its_programs_priority_from_the_log(
-    pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pg_url: str, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preserved: bool
 ) -> None:
+    """Each call's priority is recorded on its LLMCallStarted, with what it was computed from, and
+    is the one the engine request carried. ``preserved``: the cache manager decided to preserve the
+    session's KV (a PRESERVE on kv.decisions, as its worker appends one) before the session ran, so
+    the planner, which reads kv.decisions, gives both calls the warm credit."""
     monkeypatch.setenv("AGENTLOG_NAMESPACE", namespace)
     monkeypatch.delenv("AGENTLOG_SCHEDULING", raising=False)
     ensure_topics(pg_url, namespace=namespace)
@@ -158,15 +164,23 @@ def test_the_planner_sends_each_call_its_programs_priority_from_the_log(
     stack.start_process("engine")
     try:
         stack.wait_for_engine(30)
-        history = asyncio.run(run_script(pg_url, namespace, stack.engine_url, tmp_path))
+        history = asyncio.run(run_script(pg_url, namespace, stack.engine_url, tmp_path, preserved=preserved))
     finally:
         stack.stop()
-    check_priorities(history, stack.work_dir / "engine" / "served.jsonl")
+    check_priorities(history, stack.work_dir / "engine" / "served.jsonl", warm=preserved)
 
 
-async def run_script(pg_url: str, namespace: str, engine_url: str, tmp_path: Path) -> list[LoggedEvent]:
-    """A script session (LLM call, tool, LLM call) through a real planner, decider and executor."""
-    roles = ("planner", "decider", "executor", "operator")
+PRESERVE = ev.CacheDecisionMade(
+    engine_id="sim-0", action=ev.CacheAction.PRESERVE, ttl_ms=600_000, score=1.0, num_blocks=8, reason="test"
+)
+
+
+async def run_script(
+    pg_url: str, namespace: str, engine_url: str, tmp_path: Path, *, preserved: bool = False
+) -> list[LoggedEvent]:
+    """A script session (LLM call, tool, LLM call) through a real planner, decider and executor
+    (``preserved``: after a PRESERVE decision for it on kv.decisions)."""
+    roles = ("planner", "decider", "executor", "operator", "cache-manager")
     logs = {r: await open_log(pg_url, actor=r, namespace=namespace).start() for r in roles}
     store = await SnapshotStore(pg_url, namespace).start()
     ledger = await Ledger(pg_url).start()
@@ -182,6 +196,8 @@ async def run_script(pg_url: str, namespace: str, engine_url: str, tmp_path: Pat
         tasks = [asyncio.create_task(w.run()) for w in workers]
         session = f"plas-{uuid.uuid4().hex[:6]}"
         args = json.dumps({"steps": SCRIPT})
+        if preserved:
+            await logs["cache-manager"].append(session, PRESERVE)
         await logs["operator"].append(session, ev.SessionRequested(program="script", args_json=args, author="t"))
         deadline = time.monotonic() + 120
         while True:
@@ -202,28 +218,34 @@ async def run_script(pg_url: str, namespace: str, engine_url: str, tmp_path: Pat
     return history
 
 
-def check_priorities(history: list[LoggedEvent], served: Path) -> None:
-    started = {
-        e.body.call_id: e.envelope.occurred_at.timestamp() * 1000
-        for e in history
-        if isinstance(e.body, ev.LLMCallStarted)
-    }
+def check_priorities(history: list[LoggedEvent], served: Path, *, warm: bool = False) -> None:
+    started = {e.body.call_id: e for e in history if isinstance(e.body, ev.LLMCallStarted)}
+    at = {call_id: e.envelope.occurred_at.timestamp() * 1000 for call_id, e in started.items()}
     tool = next(e.body for e in history if isinstance(e.body, ev.ToolCallCompleted))
     first = next(e.body for e in history if isinstance(e.body, ev.LLMCallCompleted))
     record = [json.loads(line) for line in served.read_text().splitlines()]
     priority = {r["request_id"].rsplit("/", 1)[-1]: r["response"]["agentlog"]["priority"] for r in record}
     assert sorted(priority) == sorted(started) and len(priority) == 2
-    call0, call1 = sorted(started, key=started.__getitem__)
-    # The first call: the program has no history, its priority is its ready time (just after its
-    # LLMCallStarted was appended, on the same clock).
-    assert 0 <= priority[call0] - started[call0] < 5_000
-    # The second: anchored back by the program's recorded age (the first call's engine and queue
-    # time and the tool's duration), later by the service the first call attained.
+    call0, call1 = sorted(started, key=at.__getitem__)
+    bodies = {call_id: e.body for call_id, e in started.items() if isinstance(e.body, ev.LLMCallStarted)}
+    credit = DEFAULT_SCHEDULING.warm_credit_ms if warm else 0.0
+    for call_id, body in bodies.items():
+        # The log records the priority the engine request carried, and what it was computed from.
+        assert body.priority == priority[call_id]
+        assert body.priority_warm is warm
+        assert body.priority_attained_ms is not None and body.priority_age_ms is not None
+        # Its ready time (the priority without its terms): just before its LLMCallStarted was
+        # appended, on the same clock.
+        ready = body.priority + body.priority_age_ms - body.priority_attained_ms + credit
+        assert 0 <= at[call_id] - ready < 5_000
+    # The first call: the program has no history. The second: anchored back by the program's
+    # recorded age (the first call's engine and queue time and the tool's duration), later by the
+    # service the first call attained.
+    assert bodies[call0].priority_attained_ms == 0 and bodies[call0].priority_age_ms == 0
     service = first.prefill_ms + first.decode_ms
-    age = service + first.queue_ms + tool.duration_ms
+    assert bodies[call1].priority_attained_ms == pytest.approx(service)
+    assert bodies[call1].priority_age_ms == pytest.approx(service + first.queue_ms + tool.duration_ms)
     assert tool.duration_ms >= TOOL_S * 1000
-    expected = started[call1] - age + service
-    assert 0 <= priority[call1] - expected < 5_000
     # So the program kept (close to) its place: its second call ranks near its first, not behind
     # every call that became ready while its tool ran.
-    assert priority[call1] - priority[call0] < started[call1] - started[call0] - TOOL_S * 1000 + service + 1
+    assert priority[call1] - priority[call0] < at[call1] - at[call0] - TOOL_S * 1000 + service + 1
