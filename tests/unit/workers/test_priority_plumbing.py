@@ -47,10 +47,12 @@ def test_vllm_is_started_with_priority_scheduling_on_request_and_says_so_to_the_
     fcfs = VllmServerConfig(model="m", run_dir=tmp_path, python="python")
     assert "--scheduling-policy" not in fcfs.command()
     assert fcfs.endpoints()["AGENTLOG_SCHEDULING"] == "off"
+    assert fcfs.endpoints()["AGENTLOG_VLLM_SCHEDULING_POLICY"] == "fcfs"  # what the vLLM tests read
     priority = VllmServerConfig(model="m", run_dir=tmp_path, python="python", scheduling_policy="priority")
     command = priority.command()
     assert command[command.index("--scheduling-policy") + 1] == "priority"
     assert priority.endpoints()["AGENTLOG_SCHEDULING"] == "plas"
+    assert priority.endpoints()["AGENTLOG_VLLM_SCHEDULING_POLICY"] == "priority"
     with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
         VllmServerConfig(model="m", run_dir=tmp_path, python="python", scheduling_policy="lifo")
 

@@ -213,6 +213,7 @@ class VllmServerConfig:
             "AGENTLOG_VLLM_KV_EVENTS": self.kv_events,
             "AGENTLOG_VLLM_KV_REPLAY": self.kv_replay,
             "AGENTLOG_VLLM_CONTROL": self.control,
+            "AGENTLOG_VLLM_SCHEDULING_POLICY": self.scheduling_policy,
             # The planner and the gateway send priorities only to a server that serves by them.
             "AGENTLOG_SCHEDULING": "plas" if self.scheduling_policy == "priority" else "off",
         }
