@@ -26,8 +26,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPT_BLOCKS = 31  # + 4 output tokens: 32 of the 48 blocks
 BLOCKER_PROMPT_BLOCKS = 16  # + 488 output tokens: the whole window
-BLOCKERS = 3  # 1.5-2 s each on 2 loaded cores; the test's calls are sent in the first 0.5 s
-SEND_GAP_S = 0.03  # between two calls of a test, so that they reach vLLM in the order sent
+BLOCKERS = 5  # 488 tokens of decoding each, partly batched: 4-6 s on 2 loaded cores
+SEND_GAP_S = 0.03  # between two calls of a test
+IN_ORDER_GAP_S = 0.25  # where they must reach vLLM in the order sent (a loaded API server reorders 30 ms)
 MOST_URGENT = -(10**15)
 
 
@@ -77,9 +78,9 @@ class Queue:
             self.blockers.append(asyncio.create_task(self._call(f"blocker{i}", MOST_URGENT + i)))
         await asyncio.sleep(0.1)
 
-    async def send(self, name: str, priority: int | None) -> None:
+    async def send(self, name: str, priority: int | None, *, gap_s: float = SEND_GAP_S) -> None:
         self.tasks.append(asyncio.create_task(self._call(name, priority)))
-        await asyncio.sleep(SEND_GAP_S)
+        await asyncio.sleep(gap_s)
         self.last_sent = time.monotonic()
 
     async def drain(self) -> list[str]:
@@ -121,7 +122,7 @@ def test_requests_without_a_priority_are_served_first_come_first_served(vllm: Vl
         queue = Queue(c)
         await queue.block()
         for name in ["a", "b", "c", "d"]:
-            await queue.send(name, None)
+            await queue.send(name, None, gap_s=IN_ORDER_GAP_S)
         return await queue.drain()
 
     assert run(vllm, scenario) == ["a", "b", "c", "d"]
@@ -133,30 +134,25 @@ WINDOW = SchedulingConfig(max_age_credit_ms=0.0, max_level_ms=300.0, warm_credit
 
 def test_a_heavy_programs_call_is_passed_only_by_calls_ready_within_the_window(vllm: Vllm) -> None:
     """Bounded wait on the real engine: a call of a program that has attained a lot of service
-    (ranked ``max_level_ms`` behind its ready time) is passed by new programs' calls that become
-    ready within the window after it, and by none that become ready after the window, however
-    many there are; the priorities are the policy's (``services.scheduling``), stamped with the
-    clock when each call is sent."""
+    (ranked ``max_level_ms`` behind its ready time) is passed by new programs' calls that became
+    ready within the window after it, and by none that became ready after the window. The
+    priorities are the policy's (``services.scheduling``) for ready times on the log's clock 50 ms
+    apart (given, not slept: a loaded machine's event loop can oversleep the whole window)."""
     needs_priority_policy(vllm)
-    ready: dict[str, float] = {}
+    t0 = time.time()
+    ready = {"heavy": t0, **{f"new{i}": t0 + 0.05 + 0.1 * i for i in range(6)}}  # the window ends at t0 + 0.3
 
     async def scenario(c: VllmClient) -> list[str]:
         queue = Queue(c)
         await queue.block()
-        ready["heavy"] = time.time()
-        heavy = call_priority(ready["heavy"], ProgramProgress(attained_ms=50_000.0, elapsed_ms=60_000.0), config=WINDOW)
-        await queue.send("heavy", heavy)
-        for i in range(6):
-            await asyncio.sleep(0.05)
-            name = f"new{i}"
-            ready[name] = time.time()
+        heavy = ProgramProgress(attained_ms=50_000.0, elapsed_ms=60_000.0)
+        await queue.send("heavy", call_priority(ready["heavy"], heavy, config=WINDOW))
+        for name in [n for n in ready if n != "heavy"]:
             await queue.send(name, call_priority(ready[name], ProgramProgress(), config=WINDOW))
         return await queue.drain()
 
     order = run(vllm, scenario)
-    window_end = ready["heavy"] + WINDOW.max_wait_ms / 1000
-    passed = order[: order.index("heavy")]
-    later = [n for n in ready if n != "heavy" and ready[n] > window_end]
-    assert passed, ("nothing passed the heavy call: it was served first come first served", order, ready)
-    assert all(ready[n] <= window_end for n in passed), (order, ready)
-    assert later and not set(later) & set(passed), (order, ready)
+    assert WINDOW.max_wait_ms == 300.0
+    # First come first served would serve the heavy call first; least attained service alone (no
+    # bound) would serve it last.
+    assert order == ["new0", "new1", "new2", "heavy", "new3", "new4", "new5"]
