@@ -493,6 +493,33 @@ class GatewayLLMCallServed(Model):
     decode_ms: float = Field(description="Milliseconds the engine spent generating (0 when it does not say).")
     engine_ms: float = Field(description="Milliseconds from the gateway's request to the engine's last byte.")
     stream: bool = Field(description="Whether the client asked for server-sent events.")
+    # Program-level scheduling, as on LLMCallStarted (which the planner's adoption copies it to).
+    priority: int | None = Field(
+        default=None,
+        description=(
+            "The priority the gateway gave the engine request (services.scheduling; it replaces the client's), or "
+            "null: scheduling off, or a record written before the field existed."
+        ),
+        json_schema_extra={"since_release": 8},
+    )
+    priority_attained_ms: float | None = Field(
+        default=None,
+        description=("The attained service the priority was computed from (the session's recorded calls), or null."),
+        json_schema_extra={"since_release": 8},
+    )
+    priority_age_ms: float | None = Field(
+        default=None,
+        description=(
+            "The recorded age the priority was computed from (the session's calls and tool gaps, before the cap), "
+            "or null."
+        ),
+        json_schema_extra={"since_release": 8},
+    )
+    priority_warm: bool | None = Field(
+        default=None,
+        description=("Whether the priority had the warm credit, or null."),
+        json_schema_extra={"since_release": 8},
+    )
 
 
 class GatewayToolResultReported(Model):

@@ -173,6 +173,10 @@ def adopt(state: SessionState, tools: Mapping[str, ToolSpec]) -> list[Append]:
                 prompt_tokens=served.prompt_tokens,
                 max_output_tokens=served.max_output_tokens,
                 prompt_digest=served.prompt_digest,
+                priority=served.priority,
+                priority_attained_ms=served.priority_attained_ms,
+                priority_age_ms=served.priority_age_ms,
+                priority_warm=served.priority_warm,
             )
             out.append(Append(sid, started, "llm-started", served.call_id))
         if call is None or call.completed is None:

@@ -81,7 +81,7 @@ from services.gateway import (
     result_json,
     tool_calls_of,
 )
-from services.scheduling import ProgramProgress, SchedulingConfig, call_priority
+from services.scheduling import CallPriority, ProgramProgress, SchedulingConfig, prioritize
 from services.session import GATEWAY_PROGRAM, step_of, tool_call_id
 from workers.config import SCHEDULING_MODES, scheduling_config
 from workers.worker import EventIds, Worker
@@ -137,6 +137,8 @@ class GatewaySession:
     restart, its last record's time): what the idle timeout counts from."""
     num_in_flight: int = 0
     """Requests being served or waiting for the lock: a session with one is not idle."""
+    ranked: CallPriority | None = None
+    """The priority of the call being served (one at a time: the lock), recorded with it."""
 
     def seen(self, at: float) -> None:
         self.last_seen = max(self.last_seen, at)
@@ -556,13 +558,18 @@ class GatewayWorker(Worker):
         call_id = llm_step_id(step)
         payload = {**body, "session_id": session_id, "request_id": f"{session_id}/{call_id}"}
         if self.scheduling is not None:
-            payload["priority"] = self.priority(session_id)
+            ranked = self.session(session_id).ranked = self.prioritize(session_id)
+            payload["priority"] = ranked.priority
         return payload
 
     def priority(self, session_id: str) -> int:
         """The program-level priority of the session's next call (``services.scheduling``): now on
         the log's clock, placed by its recorded calls and tool gaps (an external agent is one
         thread as the gateway sees it)."""
+        return self.prioritize(session_id).priority
+
+    def prioritize(self, session_id: str) -> CallPriority:
+        """``priority`` with what it was computed from (recorded on ``GatewayLLMCallServed``)."""
         assert self.scheduling is not None
         progress = ProgramProgress()
         session = self.session(session_id)
@@ -570,7 +577,7 @@ class GatewayWorker(Worker):
             progress = progress.after_call(served)
         for gap_ms in session.gaps_ms.values():
             progress = progress.after_tool(gap_ms)
-        return call_priority(self.log.clock().timestamp(), progress, config=self.scheduling)
+        return prioritize(self.log.clock().timestamp(), progress, config=self.scheduling)
 
     async def _engine_json(self, session_id: str, body: dict[str, Any], step: int) -> dict[str, Any]:
         assert self._http is not None
@@ -599,6 +606,7 @@ class GatewayWorker(Worker):
         *,
         stream: bool,
     ) -> ev.GatewayLLMCallServed:
+        ranked, session.ranked = session.ranked, None
         choice = (answer.get("choices") or [{}])[0]
         message = choice.get("message") or {}
         usage = answer.get("usage") or {}
@@ -634,6 +642,10 @@ class GatewayWorker(Worker):
             decode_ms=float(timing.get("decode_ms", 0.0)),
             engine_ms=float(answer.get("_engine_ms", 0.0)),
             stream=stream,
+            priority=None if ranked is None else ranked.priority,
+            priority_attained_ms=None if ranked is None else ranked.attained_ms,
+            priority_age_ms=None if ranked is None else ranked.age_ms,
+            priority_warm=None if ranked is None else ranked.warm,
         )
         await self._append(session.session_id, served, "served", served.call_id)
         return served

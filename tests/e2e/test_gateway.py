@@ -584,3 +584,36 @@ def test_the_client_finishes_a_session_explicitly(gateway: Gateway) -> None:
         time.sleep(0.5)  # until the gateway read the planner's SessionStarted
     status, error = _finish(gateway, planned)
     assert status == 409 and error["error"]["code"] == "session_not_external"
+
+
+def test_with_scheduling_each_call_records_the_priority_the_gateway_gave_it(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """``--scheduling plas``: each engine request carries the session's priority, and the log
+    records it (GatewayLLMCallServed, and the LLMCallStarted the planner adopts), plain and streamed."""
+    g = Gateway(kafka_bootstrap, f"t{uuid.uuid4().hex[:10]}", tmp_path, "--scheduling", "plas")
+    g.start()
+    try:
+        session = _sid("ranked")
+        client = g.client(session)
+        client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "One."}], max_tokens=4)
+        stream = client.chat.completions.create(
+            model="sim", messages=[{"role": "user", "content": "Two."}], max_tokens=4, stream=True
+        )
+        assert list(stream)
+        state = g.wait_for(session, lambda s: all(f"llm-{i}" in s.llm_calls for i in (0, 1)))
+    finally:
+        g.stack.stop()
+    served = {e.body.call_id: e.body for e in g.events("agent.gateway") if isinstance(e.body, ev.GatewayLLMCallServed)}
+    assert sorted(served) == ["llm-0", "llm-1"]
+    first, second = served["llm-0"], served["llm-1"]
+    assert first.priority is not None and second.priority is not None
+    assert (first.priority_attained_ms, first.priority_age_ms, first.priority_warm) == (0.0, 0.0, False)
+    assert second.priority_attained_ms == first.prefill_ms + first.decode_ms  # the first call's service
+    for call_id, body in served.items():
+        started = state.llm_calls[call_id].started
+        assert (started.priority, started.priority_attained_ms, started.priority_age_ms) == (
+            body.priority,
+            body.priority_attained_ms,
+            body.priority_age_ms,
+        )

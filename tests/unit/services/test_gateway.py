@@ -208,3 +208,17 @@ def test_idle_sessions_are_those_without_a_request_for_the_timeout_and_none_in_f
     assert idle_sessions(last_seen, busy=(), now=160.0, idle_timeout_s=0) == [], "0: never"
     assert idle_sessions(last_seen, busy=(), now=160.0, idle_timeout_s=-1) == []
     assert idle_sessions({}, busy=(), now=160.0, idle_timeout_s=60.0) == []
+
+
+def test_adoption_copies_the_recorded_priority_onto_the_calls_start() -> None:
+    """The gateway records the priority it gave the engine request; the planner's LLMCallStarted
+    for that call carries it too (null both ways for a record without one)."""
+    state = SessionState(SID)
+    ranked = {"priority": 1_234, "priority_attained_ms": 5.0, "priority_age_ms": 9.0, "priority_warm": False}
+    apply(state, served(0, **ranked), "gateway")
+    apply(state, served(1), "gateway")
+    started = [a.body for a in adopt(state, TOOLS) if isinstance(a.body, ev.LLMCallStarted)]
+    assert [(s.priority, s.priority_attained_ms, s.priority_age_ms, s.priority_warm) for s in started] == [
+        (1_234, 5.0, 9.0, False),
+        (None, None, None, None),
+    ]

@@ -85,5 +85,8 @@ def test_the_gateway_gives_the_sessions_priority_in_place_of_the_clients() -> No
     worker.session("s").gaps_ms["tool-1"] = 3_000.0
     # anchored back by its recorded age (the call and the tool gap), later by the call's service
     assert worker._engine_body("s", body, 2)["priority"] == now_ms - (200 + 3_000) + 100
+    # and what it was computed from, kept for the call's record (GatewayLLMCallServed)
+    ranked = worker.session("s").ranked
+    assert ranked is not None and (ranked.attained_ms, ranked.age_ms, ranked.warm) == (100.0, 3_200.0, False)
     # off: the body goes as the client sent it
     assert gateway(None)._engine_body("s", body, 0)["priority"] == -(10**9)
