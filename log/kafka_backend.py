@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
-import kafka
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.admin import KafkaAdminClient
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
@@ -38,7 +36,6 @@ RECONNECT_BACKOFF_MAX_MS = 1000
 is down, so a broker back after a 10 s restart was reached again only up to 30 s later (the
 chaos bench measured a median recovery of 36-76 s)."""
 _POLL_BATCH = 2000
-_log = logging.getLogger(__name__)
 
 
 def security_config() -> dict[str, Any]:
@@ -211,7 +208,6 @@ class KafkaBackend(KafkaCluster, Backend):
             )
         except KafkaError as e:
             raise BackendUnavailable(f"cannot reach Kafka at {self.bootstrap}: {e}") from e
-        _log.info("producing to %s with kafka-python %s", self.bootstrap, kafka.__version__)
 
     async def close(self) -> None:
         """Close the producer and every scan consumer, all of them even if the caller gives up.

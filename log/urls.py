@@ -1,8 +1,7 @@
 """Open the log named by a URL.
 
-- ``kafka://host:port[,host:port...]``: the Kafka backend (production), on librdkafka
-  (``log.rdkafka_backend``), or on kafka-python when ``AGENTLOG_KAFKA_CLIENT=python``
-  (``log.kafka_backend``);
+- ``kafka://host:port[,host:port...]``: the Kafka backend (production), on kafka-python, or
+  on librdkafka when ``AGENTLOG_KAFKA_CLIENT=rdkafka`` (``log.rdkafka_backend``);
 - ``postgresql://...``: a Postgres server of your own;
 - nothing (or ``embedded``): the embedded Postgres default, started on demand;
 - ``memory:NAME`` (or ``memory``, the store named ``default``): an in-memory log that only
@@ -27,7 +26,7 @@ COMPOSE_PG_URL = "postgresql://agentlog@localhost:5432/agentlog"
 """The Postgres of docker-compose.yml, as seen from the host (its password: AGENTLOG_POSTGRES_PASSWORD of .env)."""
 ENV_NAMESPACE = "AGENTLOG_NAMESPACE"
 ENV_KAFKA_CLIENT = "AGENTLOG_KAFKA_CLIENT"
-KAFKA_CLIENTS = ("rdkafka", "python")
+KAFKA_CLIENTS = ("python", "rdkafka")
 
 
 def kafka_backend(
@@ -37,19 +36,23 @@ def kafka_backend(
     client_config: dict[str, Any] | None = None,
     linger_ms: int | None = None,
 ) -> Backend:
-    """The Kafka backend on the client ``AGENTLOG_KAFKA_CLIENT`` names: ``rdkafka`` (the default)
-    or ``python`` (kafka-python). librdkafka is the default because it wins on every path the
-    benches measure (append, consume, the gateway's added latency; README, "Log throughput").
+    """The Kafka backend on the client ``AGENTLOG_KAFKA_CLIENT`` names (kafka-python by default).
 
     ``linger_ms``: how long the producer waits to fill a batch (None: the backend's default)."""
-    client = os.environ.get(ENV_KAFKA_CLIENT) or "rdkafka"
+    client = os.environ.get(ENV_KAFKA_CLIENT) or "python"
     options: dict[str, Any] = {} if linger_ms is None else {"linger_ms": linger_ms}
     if client == "python":
         from log.kafka_backend import KafkaBackend
 
         return KafkaBackend(bootstrap, namespace=namespace, client_config=client_config, **options)
     if client == "rdkafka":
-        from log.rdkafka_backend import RdKafkaBackend
+        try:
+            from log.rdkafka_backend import RdKafkaBackend
+        except ModuleNotFoundError as e:
+            if e.name != "confluent_kafka":
+                raise
+            msg = f"{ENV_KAFKA_CLIENT}=rdkafka needs librdkafka's client: pip install 'agentlog[rdkafka]'"
+            raise ValueError(msg) from None
 
         return RdKafkaBackend(bootstrap, namespace=namespace, client_config=client_config, **options)
     raise ValueError(f"{ENV_KAFKA_CLIENT}={client!r}: use one of {', '.join(KAFKA_CLIENTS)}")
