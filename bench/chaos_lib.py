@@ -395,6 +395,7 @@ class ChaosReport:
     recomputed_llm_calls: int = 0
     events_lost: int = 0
     verify_problems: int = -1
+    verify_details: list[str] = field(default_factory=list)  # what logctl verify said, for a failing run
     dead_processes: list[str] = field(default_factory=list)
     fault_errors: list[str] = field(default_factory=list)
     recover_s: list[float] = field(default_factory=list)
@@ -592,7 +593,9 @@ class ChaosRun:
         result = CliRunner().invoke(
             app, ["verify", "--log-url", operator.log_url, "--json"], env={"AGENTLOG_NAMESPACE": operator.namespace}
         )
-        report.verify_problems = len(json.loads(result.output)["problems"]) if result.output.strip() else -1
+        problems = json.loads(result.output)["problems"] if result.output.strip() else None
+        report.verify_problems = -1 if problems is None else len(problems)
+        report.verify_details = [json.dumps(p, default=str) for p in problems or []][:20]
         report.dead_processes = [n for n, p in operator.stack.processes.items() if not p.alive()]
         return report
 

