@@ -23,12 +23,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.routing import SIZES
 from workers.engines.base import Engine
 from workers.engines.factory import ENGINE_KINDS, create_engine
 
 __all__ = ["EnginePool", "EngineSpec", "parse_engines"]
-
-SIZES = ("small", "large")
 
 
 @dataclass(frozen=True)
