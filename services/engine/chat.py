@@ -127,7 +127,7 @@ def _check_message(message: Any, index: int) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ChatRequestError(f"{param} must be an object, got {message!r}", param=param)
     role = message.get("role")
-    if role not in CHAT_ROLES:
+    if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or a dict is not hashable
         raise ChatRequestError(f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param=param)
     content = message.get("content")
     if content is None:

@@ -1,7 +1,7 @@
 """A real vLLM server (CPU build, tiny random model) for the integration tests.
 
 ``AGENTLOG_VLLM_URL`` and friends (``.ci/run`` starts one server with
-``workers.engines.vllm.server --scheduling-policy priority`` and exports them) when set; else one started here for the
+``workers.engines.vllm.server`` and exports them) when set; else one started here for the
 session, when ``scripts/install_vllm.sh`` and ``scripts/make_tiny_model.py`` have run (about
 35 s on 2 cores); else the tests are skipped, or fail when ``AGENTLOG_REQUIRE_VLLM=1`` (CI).
 
@@ -37,7 +37,6 @@ class Vllm:
     kv_events: str
     kv_replay: str
     control: str
-    scheduling_policy: str = "priority"  # the server's --scheduling-policy (fcfs: priorities refused)
 
 
 def _unavailable(reason: str) -> None:
@@ -55,7 +54,6 @@ def vllm() -> Iterator[Vllm]:
             os.environ["AGENTLOG_VLLM_KV_EVENTS"],
             os.environ["AGENTLOG_VLLM_KV_REPLAY"],
             os.environ["AGENTLOG_VLLM_CONTROL"],
-            os.environ.get("AGENTLOG_VLLM_SCHEDULING_POLICY", "fcfs"),
         )
         return
     if not Path(default_python()).exists():
@@ -63,14 +61,10 @@ def vllm() -> Iterator[Vllm]:
     if not (TINY_MODEL / "model.safetensors").exists():
         _unavailable(f"no tiny model: run {default_python()} scripts/make_tiny_model.py")
     run_dir = Path(tempfile.mkdtemp(prefix="agentlog-vllm-"))
-    # The priority policy, as .ci/run starts it: a request without a priority gets vLLM's default
-    # (0), so the tests that send none are served first come first served as under fcfs.
-    config = VllmServerConfig(
-        model=str(TINY_MODEL), run_dir=run_dir, num_gpu_blocks=NUM_GPU_BLOCKS, scheduling_policy="priority"
-    )
+    config = VllmServerConfig(model=str(TINY_MODEL), run_dir=run_dir, num_gpu_blocks=NUM_GPU_BLOCKS)
     with VllmServer(config).start() as server:
         cfg = server.config
-        yield Vllm(cfg.url, cfg.served_model_name, cfg.kv_events, cfg.kv_replay, cfg.control, cfg.scheduling_policy)
+        yield Vllm(cfg.url, cfg.served_model_name, cfg.kv_events, cfg.kv_replay, cfg.control)
 
 
 class VllmClient:

@@ -123,6 +123,7 @@ def test_the_stream_reassembles_into_the_completion() -> None:
     ("body", "param"),
     [
         ({"model": "m", "messages": [{"role": "assistant"}]}, "messages[0].content"),
+        ({"model": "m", "messages": [{"role": []}]}, "messages[0]"),  # found by tests/integration/test_fuzz_http.py
         ({"model": "m", "messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages[0].content"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "request_id": 7}, "request_id"),
