@@ -106,6 +106,7 @@ from services.programs import Program
 from services.programs.base import ModelToolCall
 from services.registry import Registry
 from services.replay import cut_events
+from services.routing import CallRequest, SizeChoice, SizeStats, choose_size, make_router
 from services.scheduling import CallPriority, SchedulingConfig, prioritize, program_progress
 from services.session import GATEWAY_PROGRAM, SessionState, ToolStatus, step_of
 from workers.cache_view import CacheDecisions
@@ -157,8 +158,6 @@ class PlannerWorker(SessionWorker):
         self.cache_view: CacheDecisions | None = None
         if pool is not None:
             self.cache_view = CacheDecisions(log)
-            from services.routing import SizeStats, make_router
-
             self.router = make_router(router)
             self.size_stats = SizeStats()
         self.registry = registry or builtin_registry()
@@ -548,8 +547,6 @@ class PlannerWorker(SessionWorker):
         keep: ev.EngineRouted | None = None,
     ) -> ev.EngineRouted:
         """Choose the size (a failover keeps ``keep``'s) and the engine; append ``EngineRouted``."""
-        from services.routing import CallRequest, SizeChoice, choose_size
-
         pool = self.pool
         assert pool is not None
         now = asyncio.get_running_loop().time()

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.routing import SIZES
+from services.routing import SIZES, EngineInfo
 from workers.engines.base import Engine
 from workers.engines.factory import ENGINE_KINDS, create_engine
 
@@ -118,7 +118,6 @@ class EnginePool:
     def infos(self, now: float, *, size: str | None = None, exclude: Sequence[str] = ()) -> list[Any]:
         """``services.routing.EngineInfo`` of every engine (of ``size``, when one serves it), but
         ``exclude``."""
-        from services.routing import EngineInfo
 
         specs = [s for s in self.specs if s.engine_id not in exclude]
         if size is not None and any(s.size == size for s in specs):
