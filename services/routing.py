@@ -62,7 +62,10 @@ class EngineInfo:
     """``small`` or ``large``."""
     healthy: bool = True
     queued_tokens: int = 0
-    """Prompt tokens sent to it and not yet answered (the router's caller counts them)."""
+    """Prompt tokens its calls in flight must compute (the router's caller counts them: each call's
+    ``Route.expected_recompute_tokens`` from its routing until it is answered, as the planner does).
+    A call's cached prefix costs no prefill, so counting whole prompts would make an engine that
+    serves its sessions from cache look busier the better it does, and push them off it."""
     prefill_tokens_per_s: float = 1.0
 
     def __post_init__(self) -> None:

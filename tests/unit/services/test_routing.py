@@ -167,6 +167,16 @@ def test_locality_margin_keeps_the_holder_on_a_small_gain() -> None:
     assert Locality(switch_margin=0.0).route(call(1000, {"h": 1000}), engines).engine_id == "o"
 
 
+def test_locality_a_holder_busy_with_cache_hits_keeps_its_session_when_queued_counts_prefill() -> None:
+    """``queued_tokens`` is what the calls in flight must compute: the holder runs three calls of 4000-token
+    prompts that each hit 3800 of them (600 to compute: 0.6 s), the other engine one cold 1000-token call
+    (1.0 s); the session's 5000-token call, 4800 held, stays (0.8 s there vs 6.0 s). Counted as whole
+    prompts (12,000 tokens, 12 s) the holder would look busier than recomputing elsewhere, and it moves."""
+    session = call(5000, {"h": 4800})
+    assert Locality().route(session, [eng("h", queued=3 * 200), eng("o", queued=1000)]).reason == "locality"
+    assert Locality().route(session, [eng("h", queued=3 * 4000), eng("o", queued=1000)]).reason == "load"
+
+
 def test_locality_without_a_holder_is_least_cost_and_ties_by_id() -> None:
     route = Locality().route(call(1000), [eng("b"), eng("a"), eng("c", queued=10)])
     assert (route.engine_id, route.reason) == ("a", "least_loaded")
