@@ -171,6 +171,13 @@ class Ours(SimManager):
         self._fold(s.sid, finished, now)
         self._call_reported(s, now)
 
+    def on_leave(self, s: Sess, now: float, target: str) -> None:
+        """What ``EngineCacheManagers`` does when a session's call starts on another engine: the manager
+        of the engine it left folds the move as the session's end there (and DISCARDs it)."""
+        moved = SessionFinished(output_json=f'{{"moved_to": "{target}"}}', num_llm_calls=0, num_tool_calls=0)
+        self._fold(s.sid, moved, now)
+        self._kv_events(now)
+
     def on_expire(self, sids: list[SessionId], now: float) -> None:
         self._kv_events(now)
 

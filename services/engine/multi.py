@@ -12,13 +12,31 @@ reads how much of the prompt each engine holds (``PagedKVCache.num_prefix_blocks
 what the real router learns from each engine's ``kv.events``), and asks the router
 (``services.routing``) for the engine; the call then joins that engine's queue (its ``enqueue``
 event) and runs there like any call of a single engine. ``queued_tokens`` is what the router's
-caller counts: the prompt tokens routed to an engine and not yet answered.
+caller counts, as the planner does (``workers/planner.py``, ``EnginePool.begin``): the prompt tokens
+the router expected each call in flight there to compute (``Route.expected_recompute_tokens``),
+until the call is answered. (``queue="prompt"`` counts whole prompts instead, for comparison.)
+
+Where the recomputed prompt tokens come from (``MultiMetrics.recompute_*``), split at each routing
+from what every engine holds then, so that a router's recompute can be read, not guessed:
+
+- ``first``: a session's first call, the part no engine holds (a shared system prompt can be held);
+- ``new``: a later call's tokens no engine ever computed (the tool's result, the turn's prompt, the
+  last block of the previous call): no router can avoid these; with ``first`` they are the floor;
+- ``lost``: computed by an earlier call but held by no engine when the call is routed (evicted
+  under pressure, released, discarded or dropped from the host by a cache manager);
+- ``elsewhere``: held by another engine more than by the chosen one (the router's choice: a move,
+  or round robin's blindness);
+- ``after_routing`` (the rest): evicted from the chosen engine while the call waited, and
+  recomputed after a preemption.
 
 Moving a session: when its call goes to another engine than its previous one, the previous
-engine's pin on it is released (its blocks go to that engine's LRU and stay reusable as a
-prefix): its cache manager would read the ``LLMCallStarted`` naming the new engine in the log.
-A finished session's copies on other engines are released the same way; its last engine's
-manager discards it as on one engine.
+engine's manager is told (``SimManager.on_leave``) and discards what that engine holds of it,
+as the shipped per-engine managers do (``services.cache.engines.EngineCacheManagers``: the
+engine a session left folds the move as the session's end there and DISCARDs its stale copy;
+``bench/ours.py`` folds the same ``SessionFinished``). So a router that moves a session back
+finds nothing of it there: until this followed the shipped managers, the old engine only
+released its pin and kept the blocks in its LRU, which credited round robin with prefixes the
+stack throws away. A finished session's last engine's manager discards it as on one engine.
 
 Model size (optional, ``size_policy``): each call's size is chosen by ``choose_size`` from what
 the run has learned so far (``SizeStats``, fed as calls end); a call served by a small engine on
@@ -43,7 +61,9 @@ from services.engine.serial import Metrics, Sess, SimManager, extend_context
 from services.routing import CallRequest, EngineInfo, Router, SizeStats, choose_size
 from services.traces.model import Trace
 
-__all__ = ["EngineSpec", "MultiMetrics", "MultiSim", "SmallModelSkill", "step_of"]
+__all__ = ["QUEUE_COUNTS", "EngineSpec", "MultiMetrics", "MultiSim", "SmallModelSkill", "step_of"]
+
+QUEUE_COUNTS = ("recompute", "prompt")  # what ``queued_tokens`` counts per call in flight (the module docstring)
 
 _MS = 1000.0
 
@@ -111,6 +131,10 @@ class MultiMetrics:
     moves: int = 0  # calls routed to another engine than the session's previous call
     reasons: dict[str, int] = field(default_factory=dict)
     failed_computed_tokens: int = 0  # prompt tokens prefilled by calls that failed
+    recompute_first: int = 0  # see the module docstring: where the recomputed tokens come from
+    recompute_new: int = 0
+    recompute_lost: int = 0
+    recompute_elsewhere: int = 0
 
     @property
     def jct(self) -> list[float]:
@@ -123,6 +147,17 @@ class MultiMetrics:
     @property
     def prompt_tokens(self) -> int:
         return sum(m.prompt_tokens for m in self.per_engine.values())
+
+    @property
+    def recompute_after_routing(self) -> int:
+        """Recomputed but held by the chosen engine when routed: evicted there while queued, or preempted."""
+        routed = self.recompute_first + self.recompute_new + self.recompute_lost + self.recompute_elsewhere
+        return self.computed_tokens - routed
+
+    @property
+    def recompute_floor(self) -> int:
+        """What no router can avoid: first calls' tokens nobody held, and tokens never computed before."""
+        return self.recompute_first + self.recompute_new
 
 
 class _Engine(BatchSim):
@@ -152,9 +187,12 @@ class MultiSim:
     """N engines, one clock, a router per call (see the module docstring)."""
 
     def __init__(self, trace: Trace, engines: Sequence[EngineSpec], router: Router,
-                 size_policy: SizePolicy | None = None) -> None:  # fmt: skip
+                 size_policy: SizePolicy | None = None, queue: str = "recompute") -> None:  # fmt: skip
         if not engines:
             raise ValueError("MultiSim needs at least one engine")
+        if queue not in QUEUE_COUNTS:
+            raise ValueError(f"queue {queue!r} is not one of {', '.join(QUEUE_COUNTS)}")
+        self.queue_count = queue
         if len({e.engine_id for e in engines}) != len(engines):
             raise ValueError("engine ids must be unique")
         if len({e.cost.block_size for e in engines}) != 1:
@@ -171,6 +209,8 @@ class MultiSim:
         self.where: dict[SessionId, str] = {}  # session -> engine of its current or last call
         self.size_of: dict[SessionId, str] = {}  # session -> size of its current call
         self.retrying: set[SessionId] = set()
+        self.in_flight: dict[SessionId, int] = {}  # session -> its call's tokens in ``queued``
+        self.computed_upto: dict[SessionId, int] = {}  # session -> tokens of its context some engine computed
         self._events: list[tuple[float, int, str, SessionId]] = []
         self._seq = 0
         self.m = MultiMetrics(
@@ -236,10 +276,13 @@ class MultiSim:
         previous = self.where.get(s.sid)
         if previous is not None and previous != route.engine_id:
             self.m.moves += 1
-            self.by_id[previous].cache.release(s.sid)
+            self.by_id[previous].manager.on_leave(s, t, route.engine_id)
         self.where[s.sid] = route.engine_id
         self.size_of[s.sid] = engine.spec.size
-        self.queued[route.engine_id] += n_prompt
+        self._split_recompute(s, cached, route.engine_id)
+        counted = route.expected_recompute_tokens if self.queue_count == "recompute" else n_prompt
+        self.queued[route.engine_id] += counted
+        self.in_flight[s.sid] = counted
         self.m.calls += 1
         self.m.calls_by_engine[route.engine_id] += 1
         self.m.reasons[route.reason] = self.m.reasons.get(route.reason, 0) + 1
@@ -247,11 +290,24 @@ class MultiSim:
             self.m.small_calls += 1
         engine.push(t, "enqueue", s.sid)
 
+    def _split_recompute(self, s: Sess, cached: dict[str, int], chosen: str) -> None:
+        """Split the chosen engine's expected recompute by where it comes from (the module docstring)."""
+        n_prompt, held = len(s.tokens), max(cached.values())
+        if s.sid not in self.computed_upto:
+            self.m.recompute_first += n_prompt - held
+        else:
+            before = min(self.computed_upto[s.sid], n_prompt)
+            self.m.recompute_new += n_prompt - max(before, held)
+            self.m.recompute_lost += max(before - held, 0)
+        self.m.recompute_elsewhere += held - cached[chosen]
+
     def call_ended(self, engine: _Engine, s: Sess, t: float) -> bool:
         """A call of ``s`` ended on ``engine``: False when it failed (it is retried, the engine's ``_done``
         must not run), True otherwise."""
         turn = s.trace.turns[s.turn]
-        self.queued[engine.spec.engine_id] -= len(s.tokens) - turn.output_tokens
+        self.queued[engine.spec.engine_id] -= self.in_flight.pop(s.sid)
+        # Full blocks of its context now computed (the last token, sampled, has no KV yet).
+        self.computed_upto[s.sid] = (len(s.tokens) - 1) // self.bs * self.bs
         retried = s.sid in self.retrying
         self.retrying.discard(s.sid)
         if self.size_policy is not None:
@@ -264,6 +320,7 @@ class MultiSim:
                 self.m.failed_computed_tokens += s.call_computed_tokens
                 del s.tokens[len(s.tokens) - turn.output_tokens :]  # its answer is dropped
                 del s.hashes[len(s.tokens) // self.bs :]
+                self.computed_upto[s.sid] = min(self.computed_upto[s.sid], len(s.hashes) * self.bs)
                 engine.manager.on_expire([], t)  # its KV events, nothing more (see the module docstring)
                 self.retrying.add(s.sid)
                 self.push(t, "retry", s.sid)

@@ -125,6 +125,12 @@ class SimManager:
     def on_finish(self, s: Sess, now: float) -> None:
         self.sim.discard(s.sid)
 
+    def on_leave(self, s: Sess, now: float, target: str) -> None:
+        """The session's next call runs on another engine (``target``; several engines behind a router):
+        what this engine holds of it is a stale copy of a context that now grows there, so it goes, as
+        the shipped managers' ``EngineCacheManagers`` discards a moved session on the engine it left."""
+        self.sim.discard(s.sid)
+
     def on_expire(self, sids: list[SessionId], now: float) -> None:
         pass
 

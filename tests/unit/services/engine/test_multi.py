@@ -1,10 +1,12 @@
 """The multi-engine model (``services.engine.multi``): calls are conserved and each is served by exactly one
 engine, locality keeps a session where its KV is, a failed small-model call is retried on the large engine,
-and one engine behind the driver is the single-engine model."""
+one engine behind the driver is the single-engine model, an engine's queue counts what the planner counts,
+and the split of the recomputed tokens by where they come from adds up."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 
@@ -12,9 +14,9 @@ from bench.ours import Ours
 from schemas.events import SessionId
 from services.engine.batching import BatchSim
 from services.engine.cost import CostModel
-from services.engine.multi import EngineSpec, MultiSim, SizePolicy, SmallModelSkill
+from services.engine.multi import QUEUE_COUNTS, EngineSpec, MultiSim, SizePolicy, SmallModelSkill
 from services.engine.serial import Sess, SimManager
-from services.routing import SizeStats, make_router
+from services.routing import CallRequest, EngineInfo, Route, Router, SizeStats, make_router
 from services.traces.model import Trace, TraceSession, TraceTurn
 
 pytestmark = pytest.mark.unit
@@ -115,3 +117,80 @@ def test_engine_ids_must_be_unique_and_the_block_size_shared() -> None:
     other = EngineSpec("x", Recorder(seen, "x"), 100, 100, CostModel(block_size=32))
     with pytest.raises(ValueError, match="same block size"):
         MultiSim(trace(1, 1), [*specs(1, seen), other], make_router("locality"))
+
+
+class Watching:
+    """A router that records what it was shown and what it answered, then defers to ``inner``."""
+
+    def __init__(self, inner: Router) -> None:
+        self.inner, self.name = inner, inner.name
+        self.seen: list[tuple[CallRequest, dict[str, EngineInfo], Route]] = []
+
+    def route(self, call: CallRequest, engines: Sequence[EngineInfo]) -> Route:
+        route = self.inner.route(call, engines)
+        self.seen.append((call, {e.engine_id: e for e in engines}, route))
+        return route
+
+
+@pytest.mark.parametrize("queue", QUEUE_COUNTS)
+def test_an_engines_queue_counts_what_its_calls_in_flight_must_compute_as_the_planner_does(queue: str) -> None:
+    """Session a's second call hits its prefix on its engine and decodes for long; b's first call, routed
+    meanwhile, sees a's engine queued with what a's call must compute (the planner's count: the route's
+    expected recompute), not a's whole prompt; ``queue="prompt"`` counts the whole prompt."""
+    a = (TraceTurn(400, 10, "search", 1.0, 50), TraceTurn(100, 2000))
+    t = Trace((TraceSession("a", "test", 0.0, a), TraceSession("b", "test", 5.0, (TraceTurn(300, 10),))))
+    router = Watching(make_router("locality"))
+    seen: list[tuple[str, SessionId, int]] = []
+    m = MultiSim(t, specs(2, seen), router, queue=queue).run()
+    (a0, _, r0), (a1, _, r1), (b0, infos, _) = router.seen
+    assert (a0.session_id, a1.session_id, b0.session_id) == ("a", "a", "b")
+    assert r1.engine_id == r0.engine_id and 0 < r1.expected_recompute_tokens < a1.prompt_tokens
+    counted = r1.expected_recompute_tokens if queue == "recompute" else a1.prompt_tokens
+    assert infos[r1.engine_id].queued_tokens == counted
+    assert m.calls == 3
+
+
+def test_an_unknown_queue_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="queue 'tokens' is not one of recompute, prompt"):
+        MultiSim(trace(1, 1), specs(1, []), make_router("locality"), queue="tokens")
+
+
+@pytest.mark.parametrize("router", ["round_robin", "least_loaded", "locality"])
+def test_the_recompute_split_adds_up_to_the_tokens_computed(router: str) -> None:
+    """Under pressure (small GPUs, the shipped manager): first + new + lost + elsewhere + after routing is
+    every token computed."""
+    t = trace(12, 5, seed=7)
+    engines = [EngineSpec(f"e{i}", Ours(), 260, 260, COST) for i in range(2)]
+    m = MultiSim(t, engines, make_router(router)).run()
+    parts = (m.recompute_first, m.recompute_new, m.recompute_lost, m.recompute_elsewhere)
+    assert min(parts[:3]) > 0 and m.recompute_elsewhere >= 0
+    assert sum(parts) + m.recompute_after_routing == m.computed_tokens
+    assert m.recompute_floor == m.recompute_first + m.recompute_new
+
+
+def test_with_room_to_spare_locality_recomputes_the_floor_and_round_robin_what_it_sends_elsewhere() -> None:
+    """Two sessions far apart in time and blocks to spare: nothing is lost; locality computes only the
+    tokens no engine ever held; round robin also what its alternation leaves on the other engine."""
+    turns = (*(TraceTurn(400, 10, "search", 5.0, 50) for _ in range(4)), TraceTurn(100, 10))
+    t = Trace((TraceSession("a", "test", 0.0, turns), TraceSession("b", "test", 1000.0, turns)))
+    loc = MultiSim(t, specs(2, []), make_router("locality")).run()
+    assert loc.recompute_lost == loc.recompute_elsewhere == loc.recompute_after_routing == 0
+    assert loc.computed_tokens == loc.recompute_floor
+    rr = MultiSim(t, specs(2, []), make_router("round_robin")).run()
+    assert rr.recompute_lost == rr.recompute_after_routing == 0
+    assert rr.recompute_floor == loc.recompute_floor
+    assert rr.computed_tokens == rr.recompute_floor + rr.recompute_elsewhere > loc.computed_tokens
+
+
+@pytest.mark.parametrize("manager", [SimManager, Ours])
+def test_the_engine_a_session_leaves_discards_it_as_the_shipped_managers_do(manager: type[SimManager]) -> None:
+    """Round robin on two engines alternates a session between them; each move makes the engine it left
+    discard its copy (``EngineCacheManagers``' rule), so at every routing only the engine of the previous
+    call holds any of the prompt: the one it returns to holds nothing of two calls ago."""
+    turns = (*(TraceTurn(400, 10, "search", 5.0, 50) for _ in range(4)), TraceTurn(100, 10))
+    router = Watching(make_router("round_robin"))
+    engines = [EngineSpec(f"e{i}", manager(), 4000, 4000, COST) for i in range(2)]
+    m = MultiSim(Trace((TraceSession("a", "test", 0.0, turns),)), engines, router).run()
+    assert m.moves == 4
+    for (_, _, before), (call, _, _) in zip(router.seen, router.seen[1:], strict=False):
+        assert {e for e, n in call.cached_tokens.items() if n > 0} == {before.engine_id}
