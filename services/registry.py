@@ -46,6 +46,22 @@ class ToolOutput:
     tokens: int
 
 
+class ToolUnavailable(Exception):
+    """Raised by a tool that did nothing because something it needs is unreachable (its
+    database refuses connections, a service is restarting). The executor runs the call again
+    with the same idempotency key, with backoff, for a bounded time (``--unavailable-retry-s``),
+    whatever its effect class: nothing happened, so nothing can happen twice. Then the call
+    fails, marked retryable. Raise it only when the request was surely not sent."""
+
+
+class OutcomeUnknown(Exception):
+    """Raised by a tool that cannot tell whether its effect happened (the connection was lost
+    after the request was sent). A pure or idempotent call runs again; a compensatable or
+    irreversible one goes in doubt (``ToolCallInDoubt``) for an operator, who checks the
+    outside world and answers ``logctl approve --retry`` or ``--mark-done``: a failure here
+    would tell the agent "not paid" about a payment that may have happened."""
+
+
 @dataclass(frozen=True)
 class Tool:
     """A tool: what the planner and the voters know of it (``spec``) and what the executor runs."""

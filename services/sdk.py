@@ -41,7 +41,7 @@ from services.programs.sdk import (
     SdkProgram,
     ToolError,
 )
-from services.registry import Tool, ToolFunction, ToolOutput, effect_class
+from services.registry import OutcomeUnknown, Tool, ToolFunction, ToolOutput, ToolUnavailable, effect_class
 from services.tools import ToolSpec
 from services.voters import Ballot, FunctionVoter, Proposal, VoterFunction, abstain, approve, hold, reject
 
@@ -53,11 +53,13 @@ __all__ = [
     "ForkOutcome",
     "MalformedToolCall",
     "NonDeterminism",
+    "OutcomeUnknown",
     "Proposal",
     "Reply",
     "Tool",
     "ToolError",
     "ToolOutput",
+    "ToolUnavailable",
     "abstain",
     "approve",
     "hold",
@@ -102,7 +104,10 @@ def tool(
     approves each call). ``schema``: the JSON schema of the arguments (the decider checks every
     proposal against it). ``ctx`` has ``session_id``, ``call_id``, ``idempotency_key`` (the same
     on every attempt of one call) and ``sandbox``. Return a JSON value (or ``ToolOutput`` to say
-    how many tokens it is); raise to fail the call.
+    how many tokens it is); raise to fail the call: ``ToolUnavailable`` when it did nothing
+    because something it needs is down (the executor tries again with backoff),
+    ``OutcomeUnknown`` when it cannot tell whether its effect happened (an irreversible call then
+    waits, in doubt, for an operator), any other exception fails it.
     """
     effect_value = effect_class(effect)
     comp = compensation.name if isinstance(compensation, Tool) else compensation

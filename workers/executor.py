@@ -10,7 +10,11 @@ in-doubt calls); appends to agent.effects:
   idempotency key when its tool is pure or idempotent, and becomes
   ``ToolCallInDoubt`` otherwise (compensatable and irreversible tools never
   run twice): an operator resolves it with ``logctl approve --retry`` or
-  ``--mark-done``.
+  ``--mark-done``;
+- a tool that raises ``ToolUnavailable`` (it did nothing: its database is down)
+  runs again with backoff for ``--unavailable-retry-s``, then fails retryable; one
+  that raises ``OutcomeUnknown`` (the request went out, the answer never came)
+  runs again if retry-safe and goes in doubt otherwise, as after a crash.
 
 Resources (services/resources.py, workers/resources.py): a tool acquires
 directories, files, processes, ports and containers through ``ctx.resources``;
@@ -29,13 +33,14 @@ exist yet), ``executor.after_resource_acquired`` (it exists and is logged);
 each also as ``<point>.<tool>`` (e.g. ``executor.after_tool.payment``).
 
 Run: ``python -m workers.executor [--log-url URL] [--ledger-url URL] [--sandbox DIR] [--resource-dir DIR]
-[--kill-grace-s S] [--time-scale F] [--snapshot-url postgresql://...]`` (snapshots and partition marks:
-a restart reads its partitions from their marks, workers/recovery.py).
+[--kill-grace-s S] [--time-scale F] [--unavailable-retry-s S] [--snapshot-url postgresql://...]``
+(snapshots and partition marks: a restart reads its partitions from their marks, workers/recovery.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -48,7 +53,7 @@ from log.topics import AGENT_ACTIONS, AGENT_EFFECTS, AGENT_GATEWAY, AGENT_VERDIC
 from schemas import events as ev
 from schemas.events import ApprovalDecision
 from services.gateway import adopt_results
-from services.registry import Registry
+from services.registry import OutcomeUnknown, Registry, ToolUnavailable
 from services.resources import Release, backoff_ms, releases
 from services.session import GATEWAY_PROGRAM, SessionState, ToolCall, ToolStatus
 from workers.config import add_snapshot_arguments, open_snapshot_store
@@ -78,6 +83,7 @@ class ExecutorWorker(SessionWorker):
         registry: Registry | None = None,
         resource_dir: Path | None = None,
         kill_grace_s: float = 2.0,
+        unavailable_retry_s: float = 60.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(log, **kwargs)
@@ -87,6 +93,8 @@ class ExecutorWorker(SessionWorker):
         self.time_scale = time_scale
         self._running: set[tuple[str, str]] = set()
         self.num_executed = 0
+        self.unavailable_retry_s = unavailable_retry_s
+        self.num_unavailable = 0  # runs that raised ToolUnavailable and were tried again
         self.resources = ResourceManager(
             resource_dir or self.sandbox.parent / "resources",
             self._append_resource_event,
@@ -106,6 +114,12 @@ class ExecutorWorker(SessionWorker):
             "--kill-grace-s", type=float, default=2.0, help="seconds a tool's process gets between SIGTERM and SIGKILL"
         )
         parser.add_argument("--time-scale", type=float, default=float(os.environ.get("AGENTLOG_TIME_SCALE", "1")))
+        parser.add_argument(
+            "--unavailable-retry-s",
+            type=float,
+            default=60.0,
+            help="how long a tool that raises ToolUnavailable (its service is down) is tried again",
+        )
         add_snapshot_arguments(parser)
 
     @classmethod
@@ -123,6 +137,7 @@ class ExecutorWorker(SessionWorker):
             registry=args.registry,
             resource_dir=args.resource_dir,
             kill_grace_s=args.kill_grace_s,
+            unavailable_retry_s=args.unavailable_retry_s,
         )
 
     async def close(self) -> None:
@@ -175,7 +190,10 @@ class ExecutorWorker(SessionWorker):
             elif tool.status is ToolStatus.IN_DOUBT and isinstance(body, ev.ApprovalGiven):
                 await self._resolve(state, tool)
 
-    async def _in_doubt(self, state: SessionState, tool: ToolCall) -> None:
+    async def _in_doubt(
+        self, state: SessionState, tool: ToolCall, *, attempt: int | None = None, why: str | None = None
+    ) -> None:
+        attempt = tool.attempts if attempt is None else attempt
         await self.append(
             state.session_id,
             ev.ToolCallInDoubt(
@@ -183,12 +201,12 @@ class ExecutorWorker(SessionWorker):
                 tool=tool.proposed.tool,
                 effect_class=tool.proposed.effect_class,
                 reason=(
-                    f"attempt {tool.attempts} started and never reported an outcome; "
+                    f"attempt {attempt} {why or 'started and never reported an outcome'}; "
                     f"{tool.proposed.effect_class.value.lower()} tools are not run again without an operator"
                 ),
             ),
             kind="in-doubt",
-            key=f"{tool.call_id}/{tool.attempts}",
+            key=f"{tool.call_id}/{attempt}",
         )
         _log.warning("%s %s is in doubt: resolve with logctl approve", state.session_id, tool.call_id)
 
@@ -255,31 +273,55 @@ class ExecutorWorker(SessionWorker):
         )
         began = time.monotonic()
         outcome: ev.ToolCallCompleted | ev.ToolCallFailed
-        try:
-            if implementation is None:
-                raise LookupError(f"no implementation for tool {proposed.tool!r}")
-            result, tokens = await run_tool(implementation, json.loads(proposed.arguments_json), context)
-            self.num_executed += 1
-            self._crash("executor.after_tool", proposed.tool)
-            outcome = ev.ToolCallCompleted(
-                call_id=call_id,
-                result_json=json.dumps(result, sort_keys=True),
-                result_tokens=tokens,
-                duration_ms=(time.monotonic() - began) * 1000,
-            )
-            kind = "completed"
-        except Exception as e:  # a tool that raises fails its call, never the executor
-            outcome = ev.ToolCallFailed(
-                call_id=call_id,
-                error=f"{type(e).__name__}: {e}",
-                error_type=type(e).__name__,
-                retryable=False,
-                duration_ms=(time.monotonic() - began) * 1000,
-            )
-            kind = "failed"
+        delay_s = 0.2
+        while True:
+            try:
+                if implementation is None:
+                    raise LookupError(f"no implementation for tool {proposed.tool!r}")
+                result, tokens = await run_tool(implementation, json.loads(proposed.arguments_json), context)
+                self.num_executed += 1
+                self._crash("executor.after_tool", proposed.tool)
+                outcome = ev.ToolCallCompleted(
+                    call_id=call_id,
+                    result_json=json.dumps(result, sort_keys=True),
+                    result_tokens=tokens,
+                    duration_ms=(time.monotonic() - began) * 1000,
+                )
+                kind = "completed"
+            except (ToolUnavailable, OutcomeUnknown) as e:
+                retry_safe = implementation is not None and implementation.spec.retry_safe
+                if isinstance(e, OutcomeUnknown) and not retry_safe:
+                    # Not a failure: the effect may have happened. As after a crash, an operator decides.
+                    await self._in_doubt(state, tool, attempt=attempt, why=f"lost its outcome ({e})")
+                    _log.warning("%s %s is in doubt (%s): resolve with logctl approve", session_id, call_id, e)
+                    self._release_due(state)
+                    return
+                if time.monotonic() - began + delay_s <= self.unavailable_retry_s:
+                    # Nothing happened (or, for a retry-safe tool, may happen again): wait and run it again.
+                    self.num_unavailable += 1
+                    _log.warning("%s %s: %s; running it again in %.1f s", session_id, call_id, e, delay_s)
+                    await asyncio.sleep(delay_s)
+                    delay_s = min(delay_s * 2, 5.0)
+                    continue
+                outcome = self._failed(call_id, e, began, retryable=True)
+                kind = "failed"
+            except Exception as e:  # a tool that raises fails its call, never the executor
+                outcome = self._failed(call_id, e, began, retryable=False)
+                kind = "failed"
+            break
         await self.append(session_id, outcome, kind=kind, key=call_id)
         self._crash("executor.after_completed", proposed.tool)
         self._release_due(state)  # the session may have ended (cancelled) while the tool ran
+
+    @staticmethod
+    def _failed(call_id: str, error: Exception, began: float, *, retryable: bool) -> ev.ToolCallFailed:
+        return ev.ToolCallFailed(
+            call_id=call_id,
+            error=f"{type(error).__name__}: {error}",
+            error_type=type(error).__name__,
+            retryable=retryable,
+            duration_ms=(time.monotonic() - began) * 1000,
+        )
 
     # --------------------------------------------------------------- resources
 

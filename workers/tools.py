@@ -14,6 +14,7 @@ idempotency key: it records every execution, so a duplicate would be visible
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from services.registry import Tool, ToolOutput
+from services.registry import OutcomeUnknown, Tool, ToolOutput, ToolUnavailable
 from services.tools import TOOLS
 
 if TYPE_CHECKING:
@@ -124,8 +125,48 @@ async def file_write(args: dict[str, Any], ctx: ToolContext) -> tuple[Any, int]:
     return {"path": args["path"], "bytes": len(args["content"])}, 8
 
 
+# What a lost or refused connection raises: the server is down, restarting, shutting down
+# (class 57, operator intervention), full (53300), or the socket broke.
+_CONNECTION_ERRORS = (
+    OSError,
+    asyncio.TimeoutError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.exceptions.TooManyConnectionsError,
+)
+
+
+async def _ledger_write(ctx: ToolContext, tool: str, method: str, sql: str, *args: Any) -> Any:
+    """One statement on the ledger. While the ledger is down nothing is written and the tool
+    says so (``ToolUnavailable``: the executor tries again); once the statement is sent, a lost
+    connection means nobody knows whether it committed (``OutcomeUnknown``: a payment goes in
+    doubt, for an operator who reads the ledger), never a plain failure."""
+    pool = _ledger(ctx, tool).pool
+    try:
+        connection = await pool.acquire(timeout=10)
+    except _CONNECTION_ERRORS as e:
+        raise ToolUnavailable(f"the ledger is unreachable ({type(e).__name__})") from e
+    try:
+        try:
+            # A pooled connection can be dead since a server restart: find out before the write goes.
+            await connection.execute("SELECT 1", timeout=10)
+        except _CONNECTION_ERRORS as e:
+            raise ToolUnavailable(f"the ledger is unreachable ({type(e).__name__})") from e
+        try:
+            return await getattr(connection, method)(sql, *args)
+        except _CONNECTION_ERRORS as e:
+            raise OutcomeUnknown(f"the ledger's connection was lost during the write ({type(e).__name__})") from e
+    finally:
+        with contextlib.suppress(*_CONNECTION_ERRORS):  # a broken connection is dropped, not reused
+            await pool.release(connection)
+
+
 async def payment(args: dict[str, Any], ctx: ToolContext) -> tuple[Any, int]:
-    payment_id = await _ledger(ctx, "payment").pool.fetchval(
+    payment_id = await _ledger_write(
+        ctx,
+        "payment",
+        "fetchval",
         "INSERT INTO agentlog_ledger.payments (idempotency_key, session_id, call_id, account, amount_cents) "
         "VALUES ($1, $2, $3, $4, $5) RETURNING id",
         ctx.idempotency_key,
@@ -138,7 +179,10 @@ async def payment(args: dict[str, Any], ctx: ToolContext) -> tuple[Any, int]:
 
 
 async def book(args: dict[str, Any], ctx: ToolContext) -> tuple[Any, int]:
-    booking_id = await _ledger(ctx, "book").pool.fetchval(
+    booking_id = await _ledger_write(
+        ctx,
+        "book",
+        "fetchval",
         "INSERT INTO agentlog_ledger.bookings (idempotency_key, session_id, call_id, resource, nights, status) "
         "VALUES ($1, $2, $3, $4, $5, 'booked') RETURNING id",
         ctx.idempotency_key,
@@ -151,7 +195,10 @@ async def book(args: dict[str, Any], ctx: ToolContext) -> tuple[Any, int]:
 
 
 async def cancel_booking(args: dict[str, Any], ctx: ToolContext) -> tuple[Any, int]:
-    result = await _ledger(ctx, "cancel_booking").pool.execute(
+    result = await _ledger_write(
+        ctx,
+        "cancel_booking",
+        "execute",
         "UPDATE agentlog_ledger.bookings SET status = 'cancelled' WHERE session_id = $1 AND resource = $2 "
         "AND status = 'booked'",
         ctx.session_id,
