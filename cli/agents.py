@@ -75,7 +75,7 @@ def up(
             "--engines",
             min=1,
             help="Sim engines (each with its bridge under --cache-manager); "
-            "the planners route every LLM call between them",
+            "the planners (and the gateway) route every LLM call between them",
         ),
     ] = 1,
     engine_sizes: Annotated[

@@ -19,8 +19,9 @@ With ``num_engines=N`` (``logctl up --engines N``) it starts N sim engines, ``en
 planners route every LLM call between them (``AGENTLOG_ENGINES``, ``workers/engines/pool.py``),
 and with the cache manager each engine gets its own bridge (``engine-bridge``,
 ``engine-bridge-1`` ..) while the one cache manager keeps a memory model per engine.
-``engine_sizes`` gives each engine its model size (``large`` by default). The decider's
-LLM judge and the gateway use the first engine.
+``engine_sizes`` gives each engine its model size (``large`` by default). The gateway routes
+between them as the planners do (it reads the same ``AGENTLOG_ENGINES``); the decider's LLM
+judge uses the first engine.
 
 ``Supervisor`` is what ``logctl up`` runs it with: a process that exits on its own (a crash,
 a SIGKILL, even a clean exit nobody asked for) is started again after a backoff, and every

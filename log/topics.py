@@ -88,7 +88,9 @@ OPS_COMMANDS = Topic(
     ),
 )
 AGENT_GATEWAY = Topic(
-    "agent.gateway", "gateway", (ev.GatewayLLMCallServed, ev.GatewayToolResultReported, ev.GatewaySessionEnded)
+    "agent.gateway",
+    "gateway",
+    (ev.GatewayLLMCallServed, ev.GatewayToolResultReported, ev.GatewaySessionEnded, ev.GatewayEngineRouted),
 )
 """What external agents did through the OpenAI-compatible gateway (workers/gateway): the gateway's
 claims, which the planner (agent.actions) and the executor (agent.effects) adopt into the session's

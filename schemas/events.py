@@ -624,6 +624,32 @@ class ModelPinRequested(Model):
     reason: str = Field(description="Why, in the author's words.")
 
 
+class GatewayEngineRouted(Model):
+    """The gateway chose the engine for an external agent's LLM call (its claim, on agent.gateway; the planner
+    adopts it as the session's EngineRouted); a failover is a new route of the same call."""
+
+    call_id: str = Field(description="The LLM call's id within its session.")
+    request_id: str = Field(description="The engine request id (the same on every attempt of the call).")
+    attempt: int = Field(description="0 for the call's first route, 1 for its first failover, and so on.")
+    engine_id: str = Field(description="The engine the call is sent to.")
+    reason: str = Field(description="Why this engine: only, round_robin, least_loaded, locality, load or failover.")
+    detail: str = Field(description="The router's reason in words (the queue waits and cached tokens it compared).")
+    router: str = Field(description="The routing policy that chose (round_robin, least_loaded, locality).")
+    prompt_tokens: int = Field(description="Tokens in the call's prompt.")
+    expected_cached_tokens: int = Field(
+        description="Prompt tokens the gateway believed the chosen engine holds for the session (from its own records)."
+    )
+    expected_recompute_tokens: int = Field(description="Prompt tokens the router expects the chosen engine to compute.")
+    model_size: str = Field(
+        description="The model size of the call: the size of the engines serving the model the client asked for "
+        "(large by default)."
+    )
+    size_reason: str = Field(description="Why that size (the model the client asked for, or the default).")
+    failed_engine_id: str | None = Field(
+        default=None, description="For a failover: the engine the call left (unreachable); else null."
+    )
+
+
 EVENT_TYPES: tuple[type[Model], ...] = (
     SessionStarted,
     SessionFinished,
@@ -666,6 +692,7 @@ EVENT_TYPES: tuple[type[Model], ...] = (
     GatewaySessionEnded,
     EngineRouted,
     ModelPinRequested,
+    GatewayEngineRouted,
 )
 """Every body type, in the order of the envelope's ``body`` union (new types go at the end)."""
 
@@ -721,5 +748,6 @@ Event = (
     | GatewaySessionEnded
     | EngineRouted
     | ModelPinRequested
+    | GatewayEngineRouted
 )
 """Any event body."""

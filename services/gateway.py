@@ -14,6 +14,14 @@ to the engine and writes only ``agent.gateway`` (docs/architecture.md, "The gate
   ``idle_sessions``, or the client finished it); the planner records its ``SessionFinished``
   after adopting every call (``adopt``), and the gateway refuses later requests.
 
+With several engines the gateway routes each completion (``services.routing``, the planner's
+router): ``held_prefix`` says where the session's last recorded call ran, ``size_for_model``
+which model size the client's model is, and each decision is recorded as
+``GatewayEngineRouted`` (``route_claim``) in the same append as the call's
+``GatewayLLMCallServed``; ``adopt`` copies it onto agent.actions as the session's
+``EngineRouted``, before the call's ``LLMCallStarted``, so ``logctl audit --routes`` and every
+other reader of routes see a gateway session's routes as a planner session's.
+
 Steps follow ``services.session``: an LLM call is step k (``llm-<k>``), its n tool calls are
 steps k+1..k+n (``tool-<k+i>``), the next LLM call is step k+n+1.
 """
@@ -31,6 +39,7 @@ from typing import Any
 from schemas import events as ev
 from schemas.events import EffectClass
 from services.decide import Append
+from services.routing import SIZES, SizeChoice
 from services.session import GATEWAY_PROGRAM, SessionState, SessionStatus, ToolStatus, llm_call_id, step_of
 from services.tools import ToolSpec, idempotency_key
 
@@ -42,6 +51,10 @@ __all__ = [
     "adopt_results",
     "adoption_problems",
     "estimate_tokens",
+    "held_prefix",
+    "prompt_estimate",
+    "route_claim",
+    "size_for_model",
     "idle_sessions",
     "next_step",
     "prompt_digest",
@@ -160,10 +173,19 @@ def adopt(state: SessionState, tools: Mapping[str, ToolSpec]) -> list[Append]:
     if state.program != GATEWAY_PROGRAM:
         return out
     if state.status is SessionStatus.REQUESTED:
+        if not state.gateway_calls:
+            return out  # its first route read, not its record yet (appended together): start with the record
         model = next(iter(state.gateway_calls.values())).model if state.gateway_calls else ""
         args = json.dumps({"model": model, "via": "gateway"}, sort_keys=True)
         out.append(Append(sid, ev.SessionStarted(program=GATEWAY_PROGRAM, args_json=args), "start"))
+    adopted = {(r.call_id, r.attempt) for r in state.route_history}
     for served in sorted(state.gateway_calls.values(), key=lambda s: step_of(s.call_id)):
+        # The call's routes first (the gateway appended them with it): EngineRouted precedes its
+        # LLMCallStarted, as on a session the planner routes.
+        for key, claim in sorted(state.gateway_routes.items()):
+            if key[0] == served.call_id and key not in adopted:
+                route = ev.EngineRouted(**claim.model_dump())
+                out.append(Append(sid, route, "routed", f"{claim.call_id}/{claim.attempt}"))
         call = state.llm_calls.get(served.call_id)
         if call is None:
             started = ev.LLMCallStarted(
@@ -218,6 +240,45 @@ def adopt(state: SessionState, tools: Mapping[str, ToolSpec]) -> list[Append]:
         )
         out.append(Append(sid, finished, "finished"))
     return out
+
+
+def held_prefix(calls: Iterable[ev.GatewayLLMCallServed]) -> dict[str, int]:
+    """Engine id -> tokens of the session's context that engine is believed to hold: the engine of
+    the session's last recorded call (by step), holding that call's prompt and output (what the
+    router's locality rule needs; as ``services.placement.prefix_on`` for a planner session). Only
+    the last engine counts: a session that moved left stale blocks behind, which the cache manager
+    discards. Empty before the session's first call."""
+    last = max(calls, key=lambda s: step_of(s.call_id), default=None)
+    if last is None:
+        return {}
+    return {last.engine_id: last.prompt_tokens + last.output_tokens}
+
+
+def prompt_estimate(messages: Sequence[Mapping[str, Any]], held: Mapping[str, int]) -> int:
+    """The prompt tokens of a request before any engine has counted them (the gateway has no
+    tokenizer): characters / 4 of its messages, and at least the context the session's last call
+    left (a conversation only grows, and the prefix held must not look larger than the prompt)."""
+    text = json.dumps([m.get("content") for m in messages], separators=(",", ":"), default=str)
+    return max(estimate_tokens(text), max(held.values(), default=0))
+
+
+def size_for_model(model: str, served_by: Mapping[str, Iterable[str]], available: Iterable[str]) -> SizeChoice:
+    """The model size of a call that asks for ``model`` (``served_by``: model -> the sizes of the
+    engines configured to serve it): the one size of its engines when they all have one, else the
+    large model if a healthy engine has it (``available``), else what there is. The client chose
+    the model, so the gateway does not choose a size for it (``choose_size`` is the planner's,
+    per program step)."""
+    sizes = sorted(set(served_by.get(model, ())))
+    if len(sizes) == 1:
+        return SizeChoice(sizes[0], f"the client asked for {model}, served by {sizes[0]} engines")
+    have = [s for s in reversed(SIZES) if s in set(available)] or ["large"]
+    return SizeChoice(have[0], "default")
+
+
+def route_claim(route: ev.EngineRouted) -> ev.GatewayEngineRouted:
+    """The gateway's record of a routing decision (built by ``services.placement.routed``, as the
+    planner's): the same fields, on the gateway's own topic."""
+    return ev.GatewayEngineRouted(**route.model_dump())
 
 
 def idle_sessions(last_seen: Mapping[str, float], busy: Iterable[str], now: float, idle_timeout_s: float) -> list[str]:

@@ -259,6 +259,9 @@ class SessionState:
     """The latest route of each LLM call (its engine and model size; a failover replaces it), by call id."""
     route_history: list[ev.EngineRouted] = field(default_factory=list)
     """Every route in log order, failovers included (what ``logctl audit --routes`` shows)."""
+    gateway_routes: dict[tuple[str, int], ev.GatewayEngineRouted] = field(default_factory=dict)
+    """A gateway session's routes as the gateway recorded them (agent.gateway), by (call id, attempt);
+    the planner adopts each as an ``EngineRouted``."""
     model_pin: str | None = None
     """The model size an operator pinned the session to (``ModelPinRequested``), or None."""
     pins: list[ev.ModelPinRequested] = field(default_factory=list)
@@ -415,6 +418,12 @@ def _evolve(state: SessionState, body: ev.Event) -> None:
             state.gateway_results.setdefault(body.call_id, body)
         case ev.GatewaySessionEnded():
             state.gateway_ended = state.gateway_ended or body
+        case ev.GatewayEngineRouted():
+            # Appended with (before) its call's record: a session's first route is its request too.
+            if state.status is None:
+                state.status = SessionStatus.REQUESTED
+                state.program = GATEWAY_PROGRAM
+            state.gateway_routes.setdefault((body.call_id, body.attempt), body)
         case ev.LLMCallStarted():
             state.llm_calls.setdefault(body.call_id, LLMCall(body.call_id, body))
         case ev.LLMCallCompleted():

@@ -28,6 +28,19 @@ For each completion the gateway
    calls reach the client, an aborted one is replaced by a text the agent can read
    (``services.gateway.refusal_text``).
 
+**Several engines** (``--engine ID=URL[,size=..,model=..]`` repeated, or ``AGENTLOG_ENGINES``, as
+for the planner; ``workers/engines/pool.py``): each completion is routed by the planner's router
+(``--router``, default ``locality``, ``services.routing``): the session's next call goes to the
+engine where its last recorded call ran (``services.gateway.held_prefix``) unless that engine's
+queue (the prompt tokens of this gateway's requests in flight there) makes recomputing elsewhere
+cheaper. The decision is recorded as ``GatewayEngineRouted``, appended with the call's
+``GatewayLLMCallServed`` (one durable wait per request, as before); the planner adopts it as the
+session's ``EngineRouted``. An engine that cannot be reached (connection refused or dropped before
+it answered) is marked down for ``--engine-down-s`` and the same request (same ``request_id``) is
+routed again (attempt + 1, reason ``failover``) to another engine, which computes it once; a stream
+fails over only while nothing of it has reached the client. With only ``--engine-url`` (the default)
+nothing is routed and nothing of this is appended.
+
 A session ends with ``GatewaySessionEnded`` (the planner records its ``SessionFinished``):
 when no request of it arrived for ``--idle-timeout-s`` and none is in flight
 (``services.gateway.idle_sessions``), or when the client posts
@@ -40,9 +53,9 @@ idempotency, released calls), agent.verdicts and agent.actions (only to refuse, 
 ``session_not_external``, a session id the planner runs a program for). It serves once it has read both to their
 end. Requests of one session are served one at a time (their steps are numbered in order).
 
-Run: ``python -m workers.gateway [--log-url URL] --engine-url http://127.0.0.1:8100
-[--port 8200] [--models NAMES] [--api-keys-file FILE] [--max-requests-per-minute N]
-[--idle-timeout-s S]``.
+Run: ``python -m workers.gateway [--log-url URL] (--engine-url http://127.0.0.1:8100 |
+--engine ID=URL ... [--router locality|least_loaded|round_robin]) [--port 8200] [--models NAMES]
+[--api-keys-file FILE] [--max-requests-per-minute N] [--idle-timeout-s S]``.
 """
 
 from __future__ import annotations
@@ -72,18 +85,25 @@ from services.gateway import (
     GatewayToolCall,
     RateLimiter,
     estimate_tokens,
+    held_prefix,
     idle_sessions,
     llm_step_id,
     prompt_digest,
+    prompt_estimate,
     refusal_text,
     reported_tool_results,
     request_digest,
     result_json,
+    route_claim,
+    size_for_model,
     tool_calls_of,
 )
+from services.placement import routed
+from services.routing import ROUTERS, CallRequest, make_router
 from services.scheduling import CallPriority, ProgramProgress, SchedulingConfig, prioritize
 from services.session import GATEWAY_PROGRAM, step_of, tool_call_id
 from workers.config import SCHEDULING_MODES, scheduling_config
+from workers.engines.pool import EnginePool, parse_engines
 from workers.worker import EventIds, Worker
 
 __all__ = ["GATEWAY_EVENT_IDS", "GatewayWorker", "SESSION_HEADER"]
@@ -97,6 +117,11 @@ GATEWAY_EVENT_IDS = EventIds(uuid.UUID("0b6c4f7e-2d1a-4c8e-9f35-7a2e61d0c4b9"))
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}$")
 
 Verdict = ev.ToolCallCommitted | ev.ToolCallAborted
+
+_UNREACHABLE = (aiohttp.ClientConnectionError, asyncio.TimeoutError)
+"""An engine that could not be reached or dropped the connection before it answered: the request
+may go to another engine (nothing of it reached the client; the same request id makes a repeat on
+the same engine its replay)."""
 
 
 class RequestError(Exception):
@@ -139,6 +164,8 @@ class GatewaySession:
     """Requests being served or waiting for the lock: a session with one is not idle."""
     ranked: CallPriority | None = None
     """The priority of the call being served (one at a time: the lock), recorded with it."""
+    routes: list[ev.GatewayEngineRouted] = field(default_factory=list)
+    """The routes of the call being served (a failover adds one), appended with its record."""
 
     def seen(self, at: float) -> None:
         self.last_seen = max(self.last_seen, at)
@@ -186,11 +213,22 @@ class GatewayWorker(Worker):
         max_requests_per_minute: int = 600,
         idle_timeout_s: float = 3600.0,
         scheduling: SchedulingConfig | None = None,
+        pool: EnginePool | None = None,
+        router: str = "locality",
         **kwargs: Any,
     ) -> None:
         super().__init__(log, **kwargs)
+        self.pool = pool  # None: the one engine of engine_url, nothing routed
+        self.router_name = router
+        self.router = make_router(router)
+        if pool is not None:
+            engine_id, engine_url = pool.specs[0].engine_id, pool.specs[0].url
         self.engine_url = engine_url.rstrip("/")
         self.engine_id = engine_id
+        self.served_by: dict[str, set[str]] = {}
+        """Model name -> the sizes of the engines configured to serve it (``model=`` of ``--engine``)."""
+        for spec in pool.specs if pool is not None else []:
+            self.served_by.setdefault(spec.model, set()).add(spec.size)
         self.models = models
         self.api_keys = api_keys
         self.host, self.port = host, port
@@ -216,6 +254,27 @@ class GatewayWorker(Worker):
         env = os.environ.get
         parser.add_argument("--engine-url", default=env("AGENTLOG_ENGINE_URL", "http://127.0.0.1:8100"))
         parser.add_argument("--engine-id", default=env("AGENTLOG_ENGINE_ID", "sim-0"))
+        parser.add_argument(
+            "--engine",
+            action="append",
+            default=None,
+            metavar="ID=URL[,size=small|large][,model=M]",
+            help="one of several engines (repeat; default: AGENTLOG_ENGINES, ';'-separated); each completion "
+            "is routed to one (workers/engines/pool.py), as the planner's calls are. Without any, --engine-url "
+            "is the only engine",
+        )
+        parser.add_argument(
+            "--router",
+            choices=tuple(ROUTERS),
+            default=env("AGENTLOG_ROUTER", "locality"),
+            help="how completions are routed between several engines (services.routing)",
+        )
+        parser.add_argument(
+            "--engine-down-s",
+            type=float,
+            default=float(env("AGENTLOG_ENGINE_DOWN_S", "10")),
+            help="how long an engine that could not be reached is left out of routing",
+        )
         parser.add_argument("--host", default=env("AGENTLOG_GATEWAY_HOST", "127.0.0.1"))
         parser.add_argument("--port", type=int, default=int(env("AGENTLOG_GATEWAY_PORT", "8200")))
         parser.add_argument(
@@ -253,6 +312,9 @@ class GatewayWorker(Worker):
     @classmethod
     async def create(cls, log: SharedLog, args: argparse.Namespace) -> GatewayWorker:
         models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+        pool = None
+        if specs := parse_engines(args.engine or os.environ.get("AGENTLOG_ENGINES", "")):
+            pool = EnginePool(specs, clients={}, down_s=args.engine_down_s)  # it forwards OpenAI bodies itself
         return cls(
             log,
             engine_url=args.engine_url,
@@ -264,6 +326,8 @@ class GatewayWorker(Worker):
             max_requests_per_minute=args.max_requests_per_minute,
             idle_timeout_s=args.idle_timeout_s,
             scheduling=scheduling_config(args.scheduling, default="off"),
+            pool=pool,
+            router=args.router,
             group=args.group,
             instance_id=args.instance_id,
         )
@@ -277,15 +341,19 @@ class GatewayWorker(Worker):
         self.set_boundaries({t: await self.log.end_offsets(t) for t in self.topics})
 
     async def _engine_models(self) -> tuple[str, ...]:
+        """Every model an engine lists (in engine order; an engine that does not answer lists none)."""
         assert self._http is not None
-        try:
-            async with self._http.get(f"{self.engine_url}/v1/models") as r:
-                if r.status == 200:
-                    names = tuple(str(m["id"]) for m in (await r.json()).get("data", []))
-                    if names:
-                        return names
-        except (aiohttp.ClientError, OSError, ValueError, KeyError):
-            pass
+        names: dict[str, None] = {}
+        urls = [s.url for s in self.pool.specs] if self.pool is not None else [self.engine_url]
+        for url in urls:
+            try:
+                async with self._http.get(f"{url}/v1/models") as r:
+                    if r.status == 200:
+                        names.update((str(m["id"]), None) for m in (await r.json()).get("data", []))
+            except (aiohttp.ClientError, OSError, ValueError, KeyError):
+                pass
+        if names:
+            return tuple(names)
         _log.warning("gateway: the engine lists no models; serving 'sim' (set --models)")
         return ("sim",)
 
@@ -519,10 +587,11 @@ class GatewayWorker(Worker):
                 return error.response({"Retry-After": str(retry)})
             await self._record_results(session, body["messages"])
             step = session.next_step
+            session.routes = []
             if stream:
                 return await self._stream(request, session, body, idem, step)
             try:
-                answer = await self._engine_json(session_id, body, step)
+                answer = await self._engine_json(session, body, step)
             except RequestError as e:
                 return e.response()
             served = await self._record(session, body, idem, step, answer, stream=False)
@@ -579,21 +648,92 @@ class GatewayWorker(Worker):
             progress = progress.after_tool(gap_ms)
         return prioritize(self.log.clock().timestamp(), progress, config=self.scheduling)
 
-    async def _engine_json(self, session_id: str, body: dict[str, Any], step: int) -> dict[str, Any]:
+    def _route(self, session: GatewaySession, body: dict[str, Any], step: int, failed: str | None = None) -> str:
+        """The engine for the call's next attempt: the one engine, or the router's choice over the pool
+        (``EnginePool.choose``, as the planner routes), kept in ``session.routes`` to be recorded
+        with the call. ``failed``: the engine the previous attempt could not reach (a failover)."""
+        if self.pool is None:
+            return self.engine_id
+        now = time.monotonic()
+        held = held_prefix(session.calls.values())
+        size = size_for_model(str(body["model"]), self.served_by, self.pool.sizes(now))
+        prompt = prompt_estimate(body["messages"], held)
+        call = CallRequest(session.session_id, prompt, held, size=size.size)
+        chosen, failed = self.pool.choose(self.router, call, now, failed=failed)
+        call_id = llm_step_id(step)
+        route = routed(
+            call_id=call_id,
+            request_id=f"{session.session_id}/{call_id}",
+            attempt=len(session.routes),
+            route=chosen,
+            router=self.router_name,
+            prompt_tokens=prompt,
+            cached=held,
+            size=size,
+            failed_engine_id=failed,
+            reason="failover" if failed else None,
+        )
+        session.routes.append(route_claim(route))
+        return chosen.engine_id
+
+    def _url(self, engine_id: str) -> str:
+        return self.pool.url(engine_id) if self.pool is not None else self.engine_url
+
+    def _engine_begin(self, session: GatewaySession, engine_id: str) -> int:
+        """Count the attempt's expected prefill in the engine's queue (what the router weighs)."""
+        if self.pool is None or not session.routes:
+            return 0
+        tokens = session.routes[-1].expected_recompute_tokens
+        self.pool.begin(engine_id, tokens)
+        return tokens
+
+    def _engine_end(self, engine_id: str, tokens: int, *, reached: bool) -> None:
+        if self.pool is None:
+            return
+        self.pool.end(engine_id, tokens)
+        if reached:
+            self.pool.mark_up(engine_id)
+
+    def _failover(self, session: GatewaySession, body: dict[str, Any], step: int, asked: str, error: Exception) -> str:
+        """Mark ``asked`` down and route the request again: to an engine not marked down, or, when
+        every other one is, to one of them as if up (the marks are only guesses), each engine tried
+        at most once per request; a 502 when none is left."""
+        if self.pool is not None:
+            now = time.monotonic()
+            self.pool.mark_down(asked, now)
+            others_up = any(i.healthy for i in self.pool.infos(now, exclude=[asked]))
+            if others_up or len(session.routes) < len(self.pool.specs):
+                _log.warning("gateway: engine %s unreachable (%s); %s fails over", asked, type(error).__name__, step)
+                return self._route(session, body, step, failed=asked)
+        raise RequestError(
+            502, f"The engine failed: {type(error).__name__}", type_="server_error", code="engine_error"
+        ) from None
+
+    async def _engine_json(self, session: GatewaySession, body: dict[str, Any], step: int) -> dict[str, Any]:
         assert self._http is not None
-        payload = self._engine_body(session_id, {**body, "stream": False}, step)
+        payload = self._engine_body(session.session_id, {**body, "stream": False}, step)
         began = time.monotonic()
         self.num_engine_requests += 1
-        try:
-            async with self._http.post(f"{self.engine_url}/v1/chat/completions", json=payload) as r:
-                answer = await r.json(content_type=None)
-                if r.status != 200:
-                    raise _engine_error(r.status, answer)
-        except (aiohttp.ClientError, OSError, ValueError) as e:
-            raise RequestError(
-                502, f"The engine failed: {type(e).__name__}", type_="server_error", code="engine_error"
-            ) from None
+        engine_id = self._route(session, body, step)
+        while True:
+            asked, tokens, reached = engine_id, self._engine_begin(session, engine_id), False
+            try:
+                async with self._http.post(f"{self._url(asked)}/v1/chat/completions", json=payload) as r:
+                    answer = await r.json(content_type=None)
+                    reached = True
+                    if r.status != 200:
+                        raise _engine_error(r.status, answer)
+                break
+            except _UNREACHABLE as e:  # nothing reached the client: another engine, the same request id
+                engine_id = self._failover(session, body, step, asked, e)
+            except (aiohttp.ClientError, OSError, ValueError) as e:
+                raise RequestError(
+                    502, f"The engine failed: {type(e).__name__}", type_="server_error", code="engine_error"
+                ) from None
+            finally:
+                self._engine_end(asked, tokens, reached=reached)
         answer["_engine_ms"] = (time.monotonic() - began) * 1000
+        answer["_engine_id"] = asked
         return dict(answer)
 
     async def _record(
@@ -624,7 +764,7 @@ class GatewayWorker(Worker):
             call_id=llm_step_id(step),
             turn=len(session.calls),
             model=str(body["model"]),
-            engine_id=self.engine_id,
+            engine_id=str(answer.get("_engine_id") or self.engine_id),
             request_digest=request_digest(body),
             idempotency_key=idem,
             prompt_digest=prompt_digest(body),
@@ -647,8 +787,25 @@ class GatewayWorker(Worker):
             priority_age_ms=None if ranked is None else ranked.age_ms,
             priority_warm=None if ranked is None else ranked.warm,
         )
-        await self._append(session.session_id, served, "served", served.call_id)
+        routes, session.routes = session.routes, []
+        await self._append_call(session.session_id, [*routes, served])
         return served
+
+    async def _append_call(
+        self, session_id: str, bodies: list[ev.GatewayEngineRouted | ev.GatewayLLMCallServed]
+    ) -> None:
+        """A call's routes and its record, in one append (one durable wait, as for the record alone)."""
+        at = self.log.clock()
+        drafts = []
+        for body in bodies:
+            if isinstance(body, ev.GatewayEngineRouted):
+                event_id = self.event_ids(session_id, "routed", f"{body.call_id}/{body.attempt}")
+            else:
+                event_id = self.event_ids(session_id, "served", body.call_id)
+            drafts.append(Draft(session_id, body, event_id, None, at))
+        await self.log.append_many(drafts)
+        for body in bodies:
+            self._fold(session_id, body, at)
 
     # ------------------------------------------------------------ answers
 
@@ -772,59 +929,73 @@ class GatewayWorker(Worker):
         )
         began = time.monotonic()
         self.num_engine_requests += 1
-        text: list[str] = []
-        tools: dict[int, dict[str, str]] = {}
-        finish = "stop"
-        usage: dict[str, Any] = {}
-        timing: dict[str, Any] = {}
-        first: dict[str, Any] | None = None
         response: web.StreamResponse | None = None
-        try:
-            async with self._http.post(f"{self.engine_url}/v1/chat/completions", json=payload) as r:
-                if r.status != 200:
-                    raise _engine_error(r.status, await r.json(content_type=None))
-                async for chunk in _sse_events(r.content):
-                    first = first or chunk
-                    usage = chunk.get("usage") or usage
-                    timing = chunk.get("agentlog") or timing
-                    for choice in chunk.get("choices") or []:
-                        delta = choice.get("delta") or {}
-                        finish = choice.get("finish_reason") or finish
-                        for t in delta.get("tool_calls") or []:
-                            slot = tools.setdefault(int(t.get("index", 0)), {"id": "", "name": "", "arguments": ""})
-                            function = t.get("function") or {}
-                            slot["id"] = t.get("id") or slot["id"]
-                            slot["name"] += function.get("name") or ""
-                            slot["arguments"] += function.get("arguments") or ""
-                        if delta.get("content") or (delta.get("role") and response is None):
-                            text.append(delta.get("content") or "")
-                            if response is None:
-                                headers = {"X-Agentlog-Call": llm_step_id(step), "X-Agentlog-Replayed": "false"}
-                                response = await self._open_sse(request, headers)
-                            passed = {
-                                **chunk,
-                                "choices": [
-                                    {
-                                        **choice,
-                                        "finish_reason": None,
-                                        "delta": {k: v for k, v in delta.items() if k != "tool_calls"},
-                                    }
-                                ],
-                            }
-                            passed.pop("usage", None)
-                            passed.pop("agentlog", None)
-                            await self._sse(response, passed)
-        except (aiohttp.ClientError, OSError, ValueError) as e:
-            error = RequestError(
-                502, f"The engine failed: {type(e).__name__}", type_="server_error", code="engine_error"
-            )
-            if response is None:
-                return error.response()
-            raise
-        except RequestError as e:
-            if response is None:
-                return e.response()
-            raise
+        engine_id = self._route(session, body, step)
+        while True:
+            asked, tokens, reached = engine_id, self._engine_begin(session, engine_id), False
+            text: list[str] = []
+            tools: dict[int, dict[str, str]] = {}
+            finish = "stop"
+            usage: dict[str, Any] = {}
+            timing: dict[str, Any] = {}
+            first: dict[str, Any] | None = None
+            try:
+                async with self._http.post(f"{self._url(asked)}/v1/chat/completions", json=payload) as r:
+                    if r.status != 200:
+                        raise _engine_error(r.status, await r.json(content_type=None))
+                    async for chunk in _sse_events(r.content):
+                        first = first or chunk
+                        usage = chunk.get("usage") or usage
+                        timing = chunk.get("agentlog") or timing
+                        for choice in chunk.get("choices") or []:
+                            delta = choice.get("delta") or {}
+                            finish = choice.get("finish_reason") or finish
+                            for t in delta.get("tool_calls") or []:
+                                slot = tools.setdefault(int(t.get("index", 0)), {"id": "", "name": "", "arguments": ""})
+                                function = t.get("function") or {}
+                                slot["id"] = t.get("id") or slot["id"]
+                                slot["name"] += function.get("name") or ""
+                                slot["arguments"] += function.get("arguments") or ""
+                            if delta.get("content") or (delta.get("role") and response is None):
+                                text.append(delta.get("content") or "")
+                                if response is None:
+                                    headers = {"X-Agentlog-Call": llm_step_id(step), "X-Agentlog-Replayed": "false"}
+                                    response = await self._open_sse(request, headers)
+                                passed = {
+                                    **chunk,
+                                    "choices": [
+                                        {
+                                            **choice,
+                                            "finish_reason": None,
+                                            "delta": {k: v for k, v in delta.items() if k != "tool_calls"},
+                                        }
+                                    ],
+                                }
+                                passed.pop("usage", None)
+                                passed.pop("agentlog", None)
+                                await self._sse(response, passed)
+                reached = True
+                break
+            except _UNREACHABLE as e:
+                if response is not None:
+                    raise  # the client has part of the answer: it re-sends, and the request is routed again
+                try:
+                    engine_id = self._failover(session, body, step, asked, e)
+                except RequestError as refused:
+                    return refused.response()
+            except (aiohttp.ClientError, OSError, ValueError) as e:
+                error = RequestError(
+                    502, f"The engine failed: {type(e).__name__}", type_="server_error", code="engine_error"
+                )
+                if response is None:
+                    return error.response()
+                raise
+            except RequestError as e:
+                if response is None:
+                    return e.response()
+                raise
+            finally:
+                self._engine_end(asked, tokens, reached=reached)
         answer = {
             "id": (first or {}).get("id"),
             "created": (first or {}).get("created"),
@@ -843,6 +1014,7 @@ class GatewayWorker(Worker):
             "usage": usage,
             "agentlog": timing,
             "_engine_ms": (time.monotonic() - began) * 1000,
+            "_engine_id": asked,
         }
         served = await self._record(session, body, idem, step, answer, stream=True)
         text_out, allowed, final_finish = await self._final_message(session.session_id, served)

@@ -58,7 +58,6 @@ import argparse
 import asyncio
 import logging
 import os
-from dataclasses import replace
 from typing import Any
 
 from log import LoggedEvent, SharedLog
@@ -568,18 +567,7 @@ class PlannerWorker(SessionWorker):
         call = CallRequest(
             sid, move.prompt.num_tokens, cached, parent_session_id=state.parent_session_id, size=choice.size
         )
-        # Every engine, the ones marked down as unhealthy: the router keeps to the call's size, falls
-        # back to the other one, and sees a down engine that held the prefix (a failover). When every
-        # engine is marked down the marks are only guesses: all are tried as if up.
-        engines = pool.infos(now)
-        if not any(e.healthy for e in engines):
-            engines = [replace(e, healthy=True) for e in engines if e.engine_id != failed] or [
-                replace(e, healthy=True) for e in engines
-            ]
-        chosen = self.router.route(call, engines)
-        if not failed:
-            # The engine that holds the session's prefix is known to be down: moving off it is a failover.
-            failed = next((e for e in cached if e != chosen.engine_id and not pool.healthy(e, now)), None)
+        chosen, failed = pool.choose(self.router, call, now, failed=failed)
         body = routed(
             call_id=move.call_id,
             request_id=move.request_id,

@@ -202,9 +202,9 @@ def test_a_second_engine_and_its_bridge_run_under_the_engines_profile(services: 
 
     assert option(engine["command"], "--engine-id") == option(bridge["command"], "--engine-id") == "sim-1"
     assert option(bridge["command"], "--engine-url") == "http://engine-1:8100"
-    # The planner and the cache manager take the engines from AGENTLOG_ENGINES (empty: one engine);
-    # the example the file documents names each engine as its bridge does, at its service's URL.
-    for name in ("planner", "cache-manager"):
+    # The planner, the cache manager and the gateway take the engines from AGENTLOG_ENGINES (empty: one
+    # engine); the example the file documents names each engine as its bridge does, at its service's URL.
+    for name in ("planner", "cache-manager", "gateway"):
         assert services[name]["environment"]["AGENTLOG_ENGINES"] == "${AGENTLOG_ENGINES:-}", name
     example = re.search(r'"(sim-0=[^"]+)"', COMPOSE.read_text()).group(1)  # type: ignore[union-attr]
     specs = parse_engines(example)

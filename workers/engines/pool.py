@@ -11,6 +11,9 @@ default its id), ``kind`` (``sim``, ``vllm``, ``openai``; default ``--engine-kin
 Without it the planner has the one engine of ``--engine-url`` and routes nothing (the
 single-engine stack, unchanged).
 
+The OpenAI-compatible gateway (``workers/gateway.py``) reads the same list and routes with the
+same pool (``choose``); it forwards OpenAI bodies itself, so its pool has no clients (``url``).
+
 ``EnginePool`` holds one client per engine and what the router needs to know about each that the
 log does not say: whether it answered lately (a call that could not reach it marks it down for
 ``down_s``; it is tried again after that) and the prompt tokens of this planner's calls in
@@ -20,10 +23,10 @@ flight on it (its queue, as far as this planner knows).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from services.routing import SIZES, EngineInfo
+from services.routing import SIZES, CallRequest, EngineInfo, Route, Router
 from workers.engines.base import Engine
 from workers.engines.factory import ENGINE_KINDS, create_engine
 
@@ -99,7 +102,10 @@ class EnginePool:
         return self.clients[engine_id]
 
     def knows(self, engine_id: str) -> bool:
-        return engine_id in self.clients
+        return any(s.engine_id == engine_id for s in self.specs)
+
+    def url(self, engine_id: str) -> str:
+        return next(s.url for s in self.specs if s.engine_id == engine_id)
 
     def healthy(self, engine_id: str, now: float) -> bool:
         return self.down_until.get(engine_id, 0.0) <= now
@@ -133,6 +139,27 @@ class EnginePool:
             )
             for s in specs
         ]
+
+    def choose(
+        self, router: Router, call: CallRequest, now: float, *, failed: str | None = None
+    ) -> tuple[Route, str | None]:
+        """Route ``call`` over every engine, and the engine it leaves (``failed``, or else the engine
+        holding its prefix when that one is marked down: moving off it is a failover).
+
+        Every engine is passed, the ones marked down as unhealthy: the router keeps to the call's
+        size, falls back to the other one, and sees a down engine that held the prefix. When every
+        engine is marked down the marks are only guesses: all are tried as if up (but ``failed``,
+        the one that just failed, while there is another)."""
+        engines = self.infos(now)
+        if not any(e.healthy for e in engines):
+            engines = [replace(e, healthy=True) for e in engines if e.engine_id != failed] or [
+                replace(e, healthy=True) for e in engines
+            ]
+        chosen = router.route(call, engines)
+        if not failed:
+            held = call.cached_tokens
+            failed = next((e for e in held if e != chosen.engine_id and not self.healthy(e, now)), None)
+        return chosen, failed
 
     def begin(self, engine_id: str, tokens: int) -> None:
         self.queued[engine_id] = self.queued.get(engine_id, 0) + tokens

@@ -17,13 +17,19 @@ from services.gateway import (
     adopt,
     adopt_results,
     adoption_problems,
+    held_prefix,
     idle_sessions,
     next_step,
+    prompt_estimate,
     refusal_text,
     reported_tool_results,
     request_digest,
     result_json,
+    route_claim,
+    size_for_model,
 )
+from services.placement import routed
+from services.routing import Route, SizeChoice
 from services.session import GATEWAY_PROGRAM, SessionState, SessionStatus, ToolStatus
 from services.tools import TOOLS
 
@@ -222,3 +228,79 @@ def test_adoption_copies_the_recorded_priority_onto_the_calls_start() -> None:
         (1_234, 5.0, 9.0, False),
         (None, None, None, None),
     ]
+
+
+def _claim(call_id: str, attempt: int, engine: str, reason: str, failed: str | None = None) -> ev.GatewayEngineRouted:
+    route = Route(engine, reason, 10, "why")
+    return route_claim(
+        routed(
+            call_id=call_id,
+            request_id=f"{SID}/{call_id}",
+            attempt=attempt,
+            route=route,
+            router="locality",
+            prompt_tokens=20,
+            cached={engine: 10},
+            size=SizeChoice("large", "default"),
+            failed_engine_id=failed,
+            reason=reason,
+        )
+    )
+
+
+def test_the_gateways_routes_are_adopted_as_engine_routed_before_the_calls_llm_call_started() -> None:
+    state = SessionState(SID)
+    # The gateway appends a call's routes with its record, routes first (a failover: two).
+    apply(state, _claim("llm-0", 0, "sim-0", "least_loaded"), "gateway")
+    apply(state, _claim("llm-0", 1, "sim-1", "failover", failed="sim-0"), "gateway")
+    assert (state.status, state.program) == (SessionStatus.REQUESTED, GATEWAY_PROGRAM), "a route is a request too"
+    assert adopt(state, TOOLS) == [], "nothing is adopted before the call's record"
+    apply(state, served(0, engine_id="sim-1"), "gateway")
+    appends = adopt(state, TOOLS)
+    assert [(type(a.body).__name__, a.kind, a.key) for a in appends] == [
+        ("SessionStarted", "start", ""),
+        ("EngineRouted", "routed", "llm-0/0"),
+        ("EngineRouted", "routed", "llm-0/1"),
+        ("LLMCallStarted", "llm-started", "llm-0"),
+        ("LLMCallCompleted", "llm-completed", "llm-0"),
+    ]
+    failover = appends[2].body
+    assert isinstance(failover, ev.EngineRouted)
+    assert (failover.engine_id, failover.reason, failover.failed_engine_id, failover.attempt) == (
+        "sim-1",
+        "failover",
+        "sim-0",
+        1,
+    )
+    assert failover.model_dump() == state.gateway_routes[("llm-0", 1)].model_dump(), "the same fields, copied"
+    adopted(state)
+    assert [r.engine_id for r in state.route_history] == ["sim-0", "sim-1"] and state.routes["llm-0"].attempt == 1
+    assert adopt(state, TOOLS) == [], "adopting twice appends nothing"
+    apply(state, _claim("llm-1", 0, "sim-1", "locality"), "gateway")
+    apply(state, served(1, engine_id="sim-1"), "gateway")
+    assert [(a.kind, a.key) for a in adopt(state, TOOLS)] == [
+        ("routed", "llm-1/0"),
+        ("llm-started", "llm-1"),
+        ("llm-completed", "llm-1"),
+    ]
+
+
+def test_the_prefix_is_held_where_the_sessions_last_recorded_call_ran() -> None:
+    assert held_prefix([]) == {}
+    calls = [served(2, engine_id="sim-0"), served(0, engine_id="sim-1", prompt_tokens=5, output_tokens=1)]
+    assert held_prefix(calls) == {"sim-0": 13}, "the latest step's engine, its prompt and output"
+
+
+def test_a_prompt_is_estimated_and_never_smaller_than_the_context_held() -> None:
+    messages = [{"role": "user", "content": "x" * 400}]
+    assert prompt_estimate(messages, {}) == 101  # ["xxx..."]: 404 characters / 4, rounded up
+    assert prompt_estimate(messages, {"sim-0": 500}) == 500
+
+
+def test_the_size_is_the_one_of_the_engines_serving_the_clients_model_else_large() -> None:
+    served_by = {"tiny": {"small"}, "big": {"large"}, "mixed": {"small", "large"}}
+    assert size_for_model("tiny", served_by, ["small", "large"]) == SizeChoice(
+        "small", "the client asked for tiny, served by small engines"
+    )
+    assert size_for_model("sim", served_by, ["small", "large"]) == SizeChoice("large", "default")
+    assert size_for_model("mixed", served_by, ["small"]) == SizeChoice("small", "default")

@@ -53,3 +53,37 @@ def test_the_pool_has_a_client_per_engine_and_tracks_health_and_this_planners_lo
     assert pool.queued == {"a": 200}
     with pytest.raises(ValueError, match="no engines"):
         EnginePool.create([])
+
+
+def _pool() -> EnginePool:
+    specs = [EngineSpec("sim-0", "http://h:8100"), EngineSpec("sim-1", "http://h:8101")]
+    return EnginePool(specs, clients={}, down_s=10.0)  # the gateway's pool: URLs, no clients
+
+
+def test_choose_routes_to_the_holder_and_a_down_holder_is_a_failover() -> None:
+    from services.routing import CallRequest, make_router
+
+    pool, router = _pool(), make_router("locality")
+    call = CallRequest("s", 100, {"sim-1": 90})
+    route, failed = pool.choose(router, call, 0.0)
+    assert (route.engine_id, route.reason, failed) == ("sim-1", "locality", None)
+    assert pool.knows("sim-1") and pool.url("sim-1") == "http://h:8101" and not pool.knows("sim-2")
+    pool.mark_down("sim-1", 0.0)
+    route, failed = pool.choose(router, call, 1.0)
+    assert (route.engine_id, route.reason, failed) == ("sim-0", "failover", "sim-1")
+    assert route.expected_recompute_tokens == 100
+    # The engine the last attempt could not reach is named by the caller.
+    route, failed = pool.choose(router, CallRequest("t", 10), 1.0, failed="sim-1")
+    assert (route.engine_id, failed) == ("sim-0", "sim-1")
+
+
+def test_choose_tries_all_engines_when_all_are_marked_down_but_the_one_that_just_failed() -> None:
+    from services.routing import CallRequest, make_router
+
+    pool, router = _pool(), make_router("locality")
+    pool.mark_down("sim-0", 0.0)
+    pool.mark_down("sim-1", 0.0)
+    route, failed = pool.choose(router, CallRequest("s", 10), 1.0, failed="sim-0")
+    assert (route.engine_id, failed) == ("sim-1", "sim-0")
+    route, _ = pool.choose(router, CallRequest("s", 10), 11.0)  # the marks ran out
+    assert route.engine_id == "sim-0"
