@@ -10,8 +10,15 @@ an operator loop approving payments and resolving in-doubt calls from the ledger
 seeded fault schedule of ``bench/chaos_lib.py`` (same seed, same faults) applied from a thread:
 SIGKILL of each role, engine restarts, broker SIGKILL + restart, broker SIGSTOP past the
 consumers' session timeout + SIGCONT, and restarts of the ledger's and snapshots' Postgres.
-The invariants are read back afterwards from the log,
-the ledger, the engine's /stats and ``logctl verify``; the exit code is 1 if any fails.
+Every session also runs ``chaos_hold`` (``bench/chaos_tools.py``): a directory, a process and a
+port acquired through the executor and owned by the session. The invariants are read back
+afterwards from the log, the ledger, the engine's /stats and ``logctl verify``, and on the
+machine (no resource directory, process or port left, no process of the run after its stop);
+the exit code is 1 if any fails.
+
+SIGINT (Ctrl-C) or SIGTERM stops a run early and cleanly: the faults stop, the stack, the
+broker and Postgres are stopped, the table shows what the run had (its invariants not
+checked), and the exit code is 128 + the signal's number (130, 143).
 
 Postgres (the ledger and snapshots): an embedded server of the run's own under the work
 directory, restarted by the schedule; with ``--pg-url``, that server instead, never restarted
@@ -21,6 +28,7 @@ directory, restarted by the schedule; with ``--pg-url``, that server instead, ne
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -56,11 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     report = run.run()
     print(f"python -m bench.chaos --sessions {args.sessions} --faults {args.faults} --seed {args.seed}")
-    print(report.table())
-    for problem in report.fault_errors + [f"not ended: {s}" for s in report.unended]:
+    print(report.table(), flush=True)
+    problems = [
+        *report.fault_errors,
+        *report.stop_errors,
+        *(f"not ended: {s}" for s in report.unended),
+        *(f"not released in the log: {r}" for r in (report.resources.not_released if report.resources else [])),
+        *(f"left after the stop (killed): {p}" for p in report.left_after_stop),
+    ]
+    for problem in problems:
         print(problem, file=sys.stderr)
     if report.dead_processes:
         print(f"dead at the end: {report.dead_processes} (logs under {work})", file=sys.stderr)
+    if report.interrupted is not None:
+        print(f"interrupted by {report.interrupted}: stopped; logs under {work}", file=sys.stderr)
+        return 128 + signal.Signals[report.interrupted].value  # as a shell reports a death by that signal
     return 0 if report.ok else 1
 
 

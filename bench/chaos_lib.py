@@ -34,11 +34,24 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 from typer.testing import CliRunner
 
+from bench.chaos_resources import (
+    WORK_TAG,
+    ResourceCount,
+    count_log,
+    count_ports_left,
+    describe_pid,
+    entries_left,
+    kill_all,
+    logged_ports,
+    run_pids,
+    tagged_pids,
+)
+from bench.chaos_tools import TAG as TOOL_TAG
 from cli.common import ensure_topics
 from cli.main import app
 from cli.sessions import SessionBook, read_log, read_sessions
@@ -46,16 +59,25 @@ from cli.stack import Backoff, Stack, Supervisor, free_port
 from log import open_log
 from log.local_kafka import LocalKafkaBroker
 from schemas import events as ev
+from services.session import SessionState
 
 OPERATOR = "chaos-operator"
+ROOT = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 
 
-def script(i: int) -> dict[str, Any]:
-    """LLM, tool, LLM, payment, LLM: every kind of step, an irreversible one in the middle."""
+def script(i: int, hold_tag: str | None = None) -> dict[str, Any]:
+    """LLM, tool, LLM, payment, LLM: every kind of step, an irreversible one in the middle.
+
+    With ``hold_tag`` (a stack that loads ``bench.chaos_tools``), a ``chaos_hold`` step after the
+    sleep: a directory, a process and a port acquired through the executor, owned by the session
+    until it ends."""
+    hold = [{"tool": "chaos_hold", "arguments": {"tag": hold_tag, "seconds": 5}}] if hold_tag else []
     return {
         "steps": [
             {"llm": {"prompt_tokens": 120, "output_tokens": 8}},
             {"tool": "sleep", "arguments": {"seconds": 0.05}},
+            *hold,
             {"llm": {"prompt_tokens": 40, "output_tokens": 8}},
             {"tool": "payment", "arguments": {"account": f"acct-{i}", "amount_cents": 100 + i}},
             {"llm": {"prompt_tokens": 30, "output_tokens": 4}},
@@ -70,19 +92,25 @@ class Operator:
     """Watches the log like a person would: approves held payments, resolves in-doubt calls
     from the ledger (did the payment happen?), and has dead processes restarted."""
 
-    def __init__(self, log_url: str, namespace: str, pg_url: str, stack: Stack, sessions: list[str]) -> None:
+    def __init__(
+        self, log_url: str, namespace: str, pg_url: str, stack: Stack, sessions: list[str], hold_tag: str | None = None
+    ) -> None:
         self.log_url = log_url
         self.namespace = namespace
         self.pg_url = pg_url
         self.stack = stack
         self.sessions = sessions
+        self.hold_tag = hold_tag
+        """Sessions acquire resources (``script``'s ``chaos_hold`` step) tagged with this."""
+        self.book = SessionBook()
+        """What the operator has seen so far (an interrupted run reports from it)."""
         self.appended: set[tuple[str, str, str]] = set()
         """(session, event type, call id) of every append of this operator the log acknowledged."""
         self.on_events: Callable[[float, list[Any]], None] | None = None
         """Called with (time.time(), events) for every poll that returned events."""
 
     async def request(self, log: Any, i: int, session: str) -> None:
-        body = ev.SessionRequested(program="script", args_json=json.dumps(script(i)), author=OPERATOR)
+        body = ev.SessionRequested(program="script", args_json=json.dumps(script(i, self.hold_tag)), author=OPERATOR)
         await log.append(session, body)
         self.appended.add((session, "SessionRequested", ""))
 
@@ -129,6 +157,7 @@ class Operator:
         outages: bool = False,
         until: Callable[[], bool] | None = None,
         on_watching: Callable[[], None] | None = None,
+        ended: Callable[[SessionState], bool] | None = None,
     ) -> tuple[SessionBook, list[str]]:
         """Operate until every session has ended (and ``until()``, if given, holds: more sessions
         may still be coming); then fold the whole log once more, cold.
@@ -136,13 +165,15 @@ class Operator:
         ``restart`` is called every round (default ``restart_dead``). With ``outages`` (the
         broker may be down or paused), an operator action that fails is tried again next round.
         ``on_watching`` is called once the operator's consumer is open (faults may begin then).
+        ``ended``: what "ended" means for a session (default: finished, failed or cancelled).
         """
         restart = restart or self.restart_dead
+        ended = ended or (lambda state: state.finished)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + deadline_s
         resolved: list[str] = []
         approved: set[tuple[str, str]] = set()
-        book = SessionBook()
+        book = self.book = SessionBook()
         topics = ["agent.actions", "agent.verdicts", "agent.effects", "ops.commands"]
         async with (
             open_log(self.log_url, actor="operator", namespace=self.namespace) as log,
@@ -166,7 +197,7 @@ class Operator:
                         raise
                     await asyncio.sleep(0.5)  # the broker is down or paused: the next round tries again
                 more = until is not None and not until()
-                if not more and all(s in book.records and book.records[s].state.finished for s in self.sessions):
+                if not more and all(s in book.records and ended(book.records[s].state) for s in self.sessions):
                     return await self.read(), resolved
         raise AssertionError(f"sessions did not finish in {deadline_s} s\n{self.describe(book)}")
 
@@ -216,7 +247,8 @@ class Operator:
         states = "\n".join(
             f"{s}: {r.state.status} llm={[(c, bool(x.completed)) for c, x in r.state.llm_calls.items()]} "
             f"tools={[(c, t.status.value, t.attempts) for c, t in r.state.tool_calls.items()]} "
-            f"early={list(r.state.early)}"
+            f"early={list(r.state.early)} "
+            f"resources={[(x.resource_id, x.kind.value, x.status.value) for x in r.state.resources.values() if x.live]}"
             for s, r in book.records.items()
         )
         logs = "\n".join(f"--- {n}\n{p.log_tail(60)}" for n, p in self.stack.processes.items())
@@ -365,7 +397,7 @@ class FaultInjector(threading.Thread):
             assert pid is not None
             self.broker_back_at.append(time.time())
             os.kill(pid, signal.SIGSTOP)
-            time.sleep(PAUSE_S)
+            self._halt.wait(PAUSE_S)  # a run that is stopping cuts the pause short
             os.kill(pid, signal.SIGCONT)
         elif kind == ENGINE_RESTART:
             self.stack.processes["engine"].stop()
@@ -400,11 +432,23 @@ class ChaosReport:
     fault_errors: list[str] = field(default_factory=list)
     recover_s: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    resources: ResourceCount | None = None
+    """What the sessions acquired (``chaos_hold``), released and left (None: a run without it)."""
+    left_after_stop: list[str] = field(default_factory=list)
+    """Processes of the run still alive after it stopped everything (killed then): ``pid command``."""
+    stop_errors: list[str] = field(default_factory=list)
+    """A part of the run that did not stop (the stack, the broker, Postgres)."""
+    interrupted: str | None = None
+    """The signal that stopped the run early (SIGINT, SIGTERM): its invariants were not checked."""
 
     @property
     def ok(self) -> bool:
         return (
-            not self.unended
+            self.interrupted is None
+            and (self.resources is None or self.resources.ok)
+            and not self.left_after_stop
+            and not self.stop_errors
+            and not self.unended
             and self.finished + self.failed_with_reason == self.sessions
             and self.duplicate_payments == 0
             and self.missing_payments == 0
@@ -415,15 +459,56 @@ class ChaosReport:
             and not self.fault_errors
         )
 
+    def _resource_rows(self) -> list[tuple[str, str]]:
+        r = self.resources
+        if r is None:
+            return []
+
+        def counted(n: int) -> str:
+            return "not counted" if n < 0 else str(n)
+
+        rows = [
+            ("resources acquired (log)", str(r.acquired)),
+            ("  released at the session's end", str(r.released_at_end)),
+            ("  reclaimed after an executor SIGKILL", str(r.reclaimed)),
+        ]
+        if r.released_other:
+            rows.append(("  released otherwise", str(r.released_other)))
+        return [
+            *rows,
+            ("resources not released (log)", str(len(r.not_released))),
+            ("resource dirs/files left on the machine", counted(r.dirs_left)),
+            ("resource processes left on the machine", counted(r.processes_left)),
+            ("resource ports left listening", counted(r.ports_left)),
+        ]
+
     def table(self) -> str:
         rec = sorted(self.recover_s)
         median = f"{statistics.median(rec):.1f} s" if rec else "n/a"
         p95 = f"{rec[min(len(rec) - 1, max(0, round(0.95 * len(rec)) - 1))]:.1f} s" if rec else "n/a"
-        rows = [
+        head = [
             ("sessions", str(self.sessions)),
             ("sessions requested while faults ran", str(self.requested_during_faults)),
             ("faults injected", str(sum(self.faults.values()))),
             *((f"  {kind}", str(n)) for kind, n in sorted(self.faults.items())),
+        ]
+        tail = [
+            ("processes of the run left after its stop", str(len(self.left_after_stop))),
+            ("run time", f"{self.seconds:.0f} s"),
+        ]
+        if self.interrupted is not None:
+            # Only what is known: no invariant was checked on a run that did not end.
+            rows = [
+                *head,
+                ("sessions finished (seen so far)", str(self.finished)),
+                *self._resource_rows(),
+                *tail,
+                ("interrupted by", self.interrupted),
+                ("all invariants held", "not checked"),
+            ]
+            return _format(rows)
+        rows = [
+            *head,
             ("sessions finished", str(self.finished)),
             ("sessions failed (with a reason)", str(self.failed_with_reason)),
             ("sessions not ended", str(len(self.unended))),
@@ -432,15 +517,20 @@ class ChaosReport:
             ("recomputed LLM calls", str(self.recomputed_llm_calls)),
             ("events lost", str(self.events_lost)),
             ("logctl verify problems", str(self.verify_problems)),
+            *self._resource_rows(),
             ("processes dead at the end", str(len(self.dead_processes))),
             ("broker recoveries measured", str(len(rec))),
             ("recover after broker fault, median", median),
             ("recover after broker fault, p95", p95),
-            ("run time", f"{self.seconds:.0f} s"),
+            *tail,
             ("all invariants held", "yes" if self.ok else "NO"),
         ]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v:>10}" for k, v in rows)
+        return _format(rows)
+
+
+def _format(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v:>10}" for k, v in rows)
 
 
 @dataclass
@@ -474,25 +564,44 @@ class ChaosRun:
         return self.window_s or max(30.0, self.num_faults * 3.0, self.num_sessions * 0.5)
 
     def run(self) -> ChaosReport:
+        """One run. SIGINT or SIGTERM (on the main thread) stops it early, cleanly: the faults stop,
+        the stack, the broker and Postgres are stopped, and the report says what it had
+        (``interrupted``; nothing was checked)."""
+        with _Signals() as signals:
+            return self._run(signals)
+
+    def _run(self, signals: _Signals) -> ChaosReport:
         window = self.window()
         schedule = self.schedule()
         namespace = f"chaos{uuid.uuid4().hex[:8]}"
         # Unique per run (the ledger may be shared, keyed by session): the seed decides the faults only.
         sessions = [f"c{i}-{namespace}" for i in range(self.num_sessions)]
         postgres = Postgres(self.work_dir / "pg" / "data") if self.pg_url is None else None
-        pg_url = postgres.start() if postgres is not None else self.pg_url
-        assert pg_url is not None
-        ports = {"port": self.broker_port, "controller_port": self.broker_port + 1} if self.broker_port else {}
-        broker = LocalKafkaBroker(data_dir=self.work_dir / "kafka", **ports)
+        # Detached (a session of its own): a Ctrl-C in the terminal reaches this process, which stops
+        # the broker last, after the workers drained; not the broker first.
+        broker = LocalKafkaBroker(
+            self.broker_port, self.broker_port + 1 if self.broker_port else 0, self.work_dir / "kafka", detach=True
+        )
         log_url = f"kafka://{broker.bootstrap_servers}"
-        env = {"AGENTLOG_NAMESPACE": namespace, "AGENTLOG_LEDGER_URL": pg_url, "AGENTLOG_LOG_LEVEL": "INFO"}
+        plugins = ",".join(filter(None, [os.environ.get("AGENTLOG_PLUGINS"), "bench.chaos_tools"]))
+        env = {
+            "AGENTLOG_NAMESPACE": namespace,
+            "AGENTLOG_LOG_LEVEL": "INFO",
+            "AGENTLOG_PLUGINS": plugins,  # every role knows chaos_hold; the executor runs it
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            WORK_TAG: str(self.work_dir),  # the run's processes, and what they start, carry it
+        }
         stack = Stack(log_url, self.work_dir / "stack", time_scale=self.time_scale, num_planners=2, extra_env=env)
         stack.engine_port = free_port()
-        operator = Operator(log_url, namespace, pg_url, stack, [])
+        operator = Operator(log_url, namespace, self.pg_url or "", stack, [], hold_tag=namespace)
         injector = FaultInjector(schedule, stack, broker, postgres)
         began = time.monotonic()
         supervision: _Supervision | None = None
+        report: ChaosReport | None = None
         try:
+            pg_url = postgres.start() if postgres is not None else self.pg_url
+            assert pg_url is not None
+            operator.pg_url = env["AGENTLOG_LEDGER_URL"] = pg_url
             broker.start()
             ensure_topics(log_url, namespace=namespace)
             stack.start()
@@ -501,19 +610,47 @@ class ChaosRun:
             supervision.start()
             pending = _RecoveryWatch(injector)
             operator.on_events = pending.see
-            book, _ = asyncio.run(self._operate(operator, sessions, window, injector, supervisor))
+            book, _ = signals.run(self._operate(operator, sessions, window, injector, supervisor))
             report = self._check(operator, book, injector)
             report.recover_s = pending.recovered
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            if signals.received is None:
+                raise
+            report = self._interrupted(operator, injector, signals.received)
         finally:
-            injector.stop()
-            if supervision is not None:
-                supervision.stop()
-            stack.stop()
-            broker.stop()
-            if postgres is not None:
-                postgres.stop()
+            signals.stopping = True  # from here on a signal waits for the stop below
+            stop_errors = _stop_all(supervision, injector, stack, broker, postgres)
+        report.stop_errors = stop_errors
         report.seconds = time.monotonic() - began
+        self._count_left(report, namespace)
         return report
+
+    def _interrupted(self, operator: Operator, injector: FaultInjector, signal_name: str) -> ChaosReport:
+        """What an interrupted run had: the operator's view so far, the faults applied so far."""
+        report = ChaosReport(sessions=len(operator.sessions), faults=injector.applied, interrupted=signal_name)
+        report.requested_during_faults = self.requested_during_faults
+        report.fault_errors = injector.errors
+        states = [operator.book.records[s].state for s in operator.sessions if s in operator.book.records]
+        report.finished = sum(1 for state in states if state.finished)
+        report.resources = count_log(states)
+        return report
+
+    def _count_left(self, report: ChaosReport, namespace: str) -> None:
+        """After everything stopped, on the machine: the resources' directories and processes, and
+        any process of the run at all; what is found is killed once counted."""
+        tool_pids = tagged_pids(TOOL_TAG, namespace)
+        if report.resources is not None:
+            # Of an interrupted run: what its unended sessions held (a run of the stack would release it).
+            report.resources.dirs_left = entries_left(self.resource_dir)
+            report.resources.processes_left = len(tool_pids)
+        others = sorted(set(run_pids(self.work_dir)) - set(tool_pids))
+        report.left_after_stop = [describe_pid(pid) for pid in others]
+        kill_all([*tool_pids, *others])
+
+    @property
+    def resource_dir(self) -> Path:
+        """The executor's resource directory (its default: beside the stack's sandbox)."""
+        return self.work_dir / "stack" / "resources"
 
     async def _operate(
         self, operator: Operator, sessions: list[str], window: float, injector: FaultInjector, supervisor: Supervisor
@@ -548,6 +685,7 @@ class ChaosRun:
             outages=True,
             until=lambda: bool(tasks) and tasks[0].done(),
             on_watching=begin,
+            ended=settled,
         )
         await tasks[0]  # raises if a request could not be appended at all
         return result
@@ -597,7 +735,16 @@ class ChaosRun:
         report.verify_problems = -1 if problems is None else len(problems)
         report.verify_details = [json.dumps(p, default=str) for p in problems or []][:20]
         report.dead_processes = [n for n, p in operator.stack.processes.items() if not p.alive()]
+        # The log's account of the resources; the ports now, while the executor (their holder) runs.
+        states = [book.records[s].state for s in operator.sessions if s in book.records]
+        report.resources = count_log(states)
+        report.resources.ports_left = count_ports_left(logged_ports(states), self.work_dir)
         return report
+
+
+def settled(state: SessionState) -> bool:
+    """Ended, and every resource it acquired released (the executor releases after the end)."""
+    return state.finished and not any(r.live for r in state.resources.values())
 
 
 async def request_over_window(
@@ -676,6 +823,100 @@ class _RecoveryWatch:
                 return
             self.recovered.append(now - fault_at)
             self._done += 1
+
+
+class _Signals:
+    """SIGINT and SIGTERM during a run (on the main thread; elsewhere they are left alone).
+
+    The first one stops the run: in the operator's event loop it cancels the operator (its
+    consumers and producers close as on any cancellation), anywhere else it raises
+    ``KeyboardInterrupt``; ``ChaosRun`` then stops the faults, the stack, the broker and
+    Postgres. Once that stop has begun (``stopping``), a signal only says to wait: a second
+    Ctrl-C must not leave the broker or Postgres running. Before, one more raises again (the
+    first may have landed where something swallowed it).
+    """
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        """The first signal's name."""
+        self.stopping = False
+        self._saved: dict[int, Any] = {}
+        self._task: tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None = None
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._saved[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+    def run(self, coro: Awaitable[T]) -> T:
+        """``asyncio.run``, where a signal cancels ``coro`` (raised into the loop, it could land
+        inside the loop's own code); an interrupted run raises ``KeyboardInterrupt``."""
+
+        async def main() -> T:
+            task = asyncio.current_task()
+            assert task is not None
+            self._task = (asyncio.get_running_loop(), task)
+            try:
+                return await coro
+            finally:
+                self._task = None
+
+        try:
+            result = asyncio.run(main())
+        except asyncio.CancelledError:
+            if self.received is None:
+                raise
+            raise KeyboardInterrupt from None
+        if self.received is not None:  # the signal came as the operator returned
+            raise KeyboardInterrupt
+        return result
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.stopping:
+            print(f"{name}: the run is stopping its stack, broker and Postgres; wait", file=sys.stderr, flush=True)
+            return
+        first = self.received is None
+        if first:
+            self.received = name
+            print(f"{name}: stopping the run (faults, stack, broker, Postgres)", file=sys.stderr, flush=True)
+        if first and self._task is not None:
+            loop, task = self._task
+            loop.call_soon_threadsafe(task.cancel)
+            return
+        raise KeyboardInterrupt
+
+
+def _stop_all(
+    supervision: _Supervision | None,
+    injector: FaultInjector,
+    stack: Stack,
+    broker: LocalKafkaBroker,
+    postgres: Postgres | None,
+) -> list[str]:
+    """Stop every part of a run, whatever state it is in, in this order: the supervisor (so that
+    nothing is started again), the fault thread (an outage under way ends: a paused broker is
+    resumed, a restart completes), the stack (the workers drain while the broker still runs),
+    the broker, Postgres. A part that fails to stop does not keep the next from stopping."""
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("the supervisor", supervision.stop if supervision is not None else lambda: None),
+        ("the fault thread", injector.stop),
+        ("the stack", stack.stop),
+        ("the broker", broker.stop),
+        ("Postgres", postgres.stop if postgres is not None else lambda: None),
+    ]
+    errors = []
+    for what, stop in steps:
+        try:
+            stop()
+        except Exception as error:
+            errors.append(f"stopping {what}: {type(error).__name__}: {error}")
+    return errors
 
 
 class _Supervision(threading.Thread):
