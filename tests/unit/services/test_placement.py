@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from schemas import events as ev
-from services.placement import learn, prefix_on, routed
+from services.placement import Holding, learn, locate, prefix_on, routed
 from services.session import SessionState, fold
 from tests.unit.services.helpers import envelope
 
@@ -66,6 +66,55 @@ def test_a_fork_inherits_its_parents_prefix_and_engine() -> None:
     fork = session(ev.ForkCreated(parent_session_id="p", checkpoint_id="c", cut={}), sid="f")
     fork.inherit(parent)
     assert prefix_on(fork) == {"e1": 210}
+
+
+def two_calls() -> SessionState:
+    return session(
+        started("llm-0", "e0", 100), completed("llm-0", "e0", 100), proposed("tool-1"),
+        started("llm-2", "e1", 300), completed("llm-2", "e1", 300, output=20),
+    )  # fmt: skip
+
+
+def test_kv_events_of_the_last_call_decide_what_its_engine_still_holds() -> None:
+    state = two_calls()
+    # The engine reported the call, then evicted part of the context under pressure: what it kept.
+    located = locate(state, holdings={"e1": Holding(192, "llm-2")})
+    assert located.cached == {"e1": 192}
+    assert located.notes == ("kv.events: e1 kept 192 of its 320 context tokens",)
+    # Evicted all of it: no engine holds it (the call goes where it is cheapest, not back there).
+    assert locate(state, holdings={"e1": Holding(0, "llm-2")}).cached == {}
+    # A later call's report also says the events of this one are in; more than the context is capped.
+    assert prefix_on(state, holdings={"e1": Holding(999, "llm-4")}) == {"e1": 320}
+    assert locate(state, holdings={"e1": Holding(320, "llm-2")}).notes == ()
+
+
+def test_before_the_engine_reported_the_last_call_the_logs_belief_stands_there() -> None:
+    state = two_calls()
+    # Its events of llm-2 are not in yet (the bridge polls): an older report says nothing of after the call.
+    assert prefix_on(state, holdings={"e1": Holding(96, "llm-0")}) == {"e1": 320}
+    assert prefix_on(state, holdings={"e1": Holding(96, None)}) == {"e1": 320}
+    assert prefix_on(state, holdings={"e1": Holding(96, "odd")}) == {"e1": 320}  # not comparable: not later
+
+
+def test_an_engine_the_session_left_counts_for_the_prefix_it_still_holds() -> None:
+    state = two_calls()
+    located = locate(state, holdings={"e0": Holding(96, "llm-0")})
+    assert located.cached == {"e0": 96, "e1": 320}
+    assert located.notes == ("kv.events: e0 still holds 96 tokens of its context",)
+    # A discard by the cache manager after the last call drops that engine, whatever the events say.
+    discarded = locate(state, dropped=["e0"], holdings={"e0": Holding(96, "llm-0")})
+    assert discarded.cached == {"e1": 320} and discarded.notes[-1] == "kv.decisions: discarded on e0"
+    assert prefix_on(state, dropped=["e1"], holdings={"e1": Holding(320, "llm-2")}) == {}
+
+
+def test_a_forks_first_call_goes_where_its_parents_events_say_the_prefix_is() -> None:
+    parent = session(started("llm-0", "e1", 200), completed("llm-0", "e1", 200), sid="p")
+    fork = session(ev.ForkCreated(parent_session_id="p", checkpoint_id="c", cut={}), sid="f")
+    fork.inherit(parent)
+    # The parent's holdings (the planner passes the owner's): it went on and ran on e0 as well; e1
+    # evicted the tail of what the fork inherits.
+    holdings = {"e0": Holding(400, "llm-2"), "e1": Holding(112, "llm-2")}
+    assert prefix_on(fork, holdings=holdings) == {"e0": 210, "e1": 112}
 
 
 def test_the_latest_route_of_a_call_wins_and_every_route_is_kept() -> None:
@@ -140,3 +189,17 @@ def test_the_event_says_what_the_planner_believed_and_a_failover_names_the_engin
         300,
     )
     assert (body.model_size, body.size_reason, body.failed_engine_id, body.attempt) == ("small", "pinned", "e0", 1)
+
+
+def test_the_events_notes_follow_the_routes_detail() -> None:
+    @dataclass(frozen=True)
+    class Detailed(FakeRoute):
+        detail: str = "holds 192/330 tokens"
+
+    body = routed(
+        call_id="llm-2", request_id="s/llm-2", attempt=0, route=Detailed("e1", "locality", 138), router="locality",
+        prompt_tokens=330, cached={"e1": 192}, size=FakeSize("large", "default"),
+        notes=["kv.events: e1 kept 192 of its 320 context tokens"],
+    )  # fmt: skip
+    assert body.detail == "holds 192/330 tokens; kv.events: e1 kept 192 of its 320 context tokens"
+    assert body.expected_cached_tokens == 192
