@@ -104,8 +104,10 @@ class Role:
 
 ROLES: tuple[Role, ...] = (
     # kv.decisions: the cache manager's decisions about its sessions' KV, for routing (workers/cache_view.py)
-    # and the warm credit of its priorities (services/scheduling.py).
-    Role("planner", (_ACTIONS, _VERDICTS, _EFFECTS, _OPS, _GATEWAY, _KV_DECISIONS), groups=("planner",)),
+    # and the warm credit of its priorities (services/scheduling.py). kv.events: which engine still holds
+    # how much of a session's prefix (an engine evicts under pressure without any decision), for routing
+    # (workers/cache_view.py KVEvents; by scan, no consumer group, every partition: blocks are per engine).
+    Role("planner", (_ACTIONS, _VERDICTS, _EFFECTS, _OPS, _GATEWAY, _KV_DECISIONS, _KV_EVENTS), groups=("planner",)),
     Role("decider", (_ACTIONS, _OPS, _VERDICTS), groups=("decider",)),
     Role("executor", (_VERDICTS, _ACTIONS, _EFFECTS, _OPS, _GATEWAY), groups=("executor",)),
     Role("cache-manager", ALL_TOPICS, groups=("cache-manager",)),

@@ -10,6 +10,17 @@ READ on the topic. Bad records are the consumers' business (the DLQ): skipped he
 latest decision per session and engine (one small entry each, for every session routed here),
 and per session until when its latest decision preserves its KV: the warm credit of the planner's
 priorities (``services.scheduling``), read the same way.
+
+``KVEvents`` reads ``kv.events`` the same way (scan, no group, the planner's READ on the topic)
+into ``services.holdings.KVHoldings``: what each engine still holds of each session's context,
+whatever the cache manager decided (an engine evicts under pressure on its own). Unlike
+decisions, it reads **every** partition, each up to its end at most every ``refresh_s``: the
+topic is keyed by session, but an engine's blocks are the engine's, and the events about them
+are not all in the routed session's partition (the sim engine reports an evicted block for the
+session that last held it, which may be a fork in another partition; a reused prefix is
+reported for the session that stored it; ``KVAllBlocksCleared`` is the engine's own session,
+``engine/<id>``). Its memory follows what the engines hold (``KVHoldings``); reading costs each
+planner the whole topic once, as the cache manager reads it.
 """
 
 from __future__ import annotations
@@ -18,11 +29,13 @@ import time
 from datetime import datetime
 
 from log import SharedLog
-from log.topics import KV_DECISIONS
+from log.topics import KV_DECISIONS, KV_EVENTS
 from schemas.events import CacheAction, CacheDecisionMade
+from services.holdings import KVHoldings
+from services.placement import Holding
 from services.scheduling import preserved_until
 
-__all__ = ["CacheDecisions"]
+__all__ = ["CacheDecisions", "KVEvents"]
 
 
 class CacheDecisions:
@@ -69,3 +82,40 @@ class CacheDecisions:
             return False
         action, at = latest
         return action is CacheAction.DISCARD and (since is None or at >= since)
+
+
+class KVEvents:
+    """The engines' ``kv.events``, folded into ``KVHoldings`` as the planner routes (module docstring)."""
+
+    def __init__(self, log: SharedLog, *, refresh_s: float = 0.5) -> None:
+        self.log = log
+        self.refresh_s = refresh_s
+        self.holdings = KVHoldings()
+        self.num_events = 0
+        self._next: dict[int, int] = {}  # partition -> next offset to read
+        self._read_at = -1e9
+
+    async def refresh(self) -> None:
+        now = time.monotonic()
+        if now - self._read_at < self.refresh_s:
+            return
+        self._read_at = now
+        for partition, end in sorted((await self.log.end_offsets(KV_EVENTS.name)).items()):
+            start = self._next.get(partition, 0)
+            async for record in self.log.scan(KV_EVENTS.name, partition, start, end):
+                try:
+                    envelope = self.log.decode(record)
+                except Exception:  # a bad record goes to the DLQ, by the consumers that own it
+                    continue
+                self.holdings.apply(envelope.session_id, envelope.body)
+                self.num_events += 1
+            self._next[partition] = max(start, end)
+
+    def holding(self, session_id: str, engine_ids: list[str]) -> dict[str, Holding]:
+        """Per engine whose events name a context of the session: what it holds of it."""
+        h = self.holdings
+        return {
+            e: Holding(h.held_tokens(e, session_id), h.reported(e, session_id))
+            for e in engine_ids
+            if h.knows(e, session_id)
+        }

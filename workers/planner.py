@@ -83,7 +83,7 @@ from services.decide import (
     restore_applied,
 )
 from services.gateway import adopt
-from services.placement import last_call, learn, prefix_on, routed
+from services.placement import Located, last_call, learn, locate, routed
 from services.planning import (
     ApplyRestore,
     CallEngine,
@@ -108,7 +108,7 @@ from services.replay import cut_events
 from services.routing import CallRequest, SizeChoice, SizeStats, choose_size, make_router
 from services.scheduling import CallPriority, SchedulingConfig, prioritize, program_progress
 from services.session import GATEWAY_PROGRAM, SessionState, ToolStatus, step_of
-from workers.cache_view import CacheDecisions
+from workers.cache_view import CacheDecisions, KVEvents
 from workers.config import SCHEDULING_MODES, log_namespace, scheduling_config, snapshot_url
 from workers.crash import crash_point
 from workers.engines import Engine, EngineError, EngineUnavailable
@@ -155,8 +155,10 @@ class PlannerWorker(SessionWorker):
         self.size_stats: Any = None
         self._learned: set[str] = set()  # finished sessions whose calls the size stats have
         self.cache_view: CacheDecisions | None = None
+        self.kv_view: KVEvents | None = None
         if pool is not None:
             self.cache_view = CacheDecisions(log)
+            self.kv_view = KVEvents(log)
             self.router = make_router(router)
             self.size_stats = SizeStats()
         self.registry = registry or builtin_registry()
@@ -563,7 +565,8 @@ class PlannerWorker(SessionWorker):
                 retry=_after_failed_tool(state, move.call_id),
                 available=pool.sizes(now),
             )
-        cached = prefix_on(state, await self._dropped(state))
+        located = await self._locate(state)
+        cached = located.cached
         call = CallRequest(
             sid, move.prompt.num_tokens, cached, parent_session_id=state.parent_session_id, size=choice.size
         )
@@ -579,21 +582,31 @@ class PlannerWorker(SessionWorker):
             size=choice,
             failed_engine_id=failed,
             reason="failover" if failed else None,
+            notes=located.notes,
         )
         await self.append(sid, body, kind="routed", key=f"{move.call_id}/{attempt}")
         crash_point("planner.after_routed")
         return body
 
-    async def _dropped(self, state: SessionState) -> list[str]:
-        """The engine of the session's last call, if the cache manager discarded its prefix there
-        since (a fork's inherited call: its parent's decisions)."""
+    async def _locate(self, state: SessionState) -> Located:
+        """Where the session's prefix is (``services.placement.locate``): its last call's engine,
+        what the engines' ``kv.events`` say each still holds of it, and the engines where the cache
+        manager discarded it since (a fork's inherited call: its parent's events and decisions)."""
         call = last_call(state)
-        if self.cache_view is None or call is None or call.completed is None:
-            return []
+        assert self.pool is not None
+        if call is None or call.completed is None:
+            return Located({})
         owner = call.origin or state.session_id
-        await self.cache_view.refresh(self.log.partition_for(owner))
-        engine = call.completed.engine_id
-        return [engine] if self.cache_view.dropped(owner, engine, call.completed_at) else []
+        engine_ids = [s.engine_id for s in self.pool.specs]
+        holdings = {}
+        if self.kv_view is not None:
+            await self.kv_view.refresh()
+            holdings = self.kv_view.holding(owner, engine_ids)
+        dropped: list[str] = []
+        if self.cache_view is not None:
+            await self.cache_view.refresh(self.log.partition_for(owner))
+            dropped = [e for e in engine_ids if self.cache_view.dropped(owner, e, call.completed_at)]
+        return locate(state, dropped, holdings)
 
     def _learn(self, state: SessionState) -> None:
         """A finished session's routed calls teach the size stats (once per session)."""

@@ -313,7 +313,7 @@ def test_planner_appends_to_actions_and_consumes_as_its_group(secure_kafka: Secu
         ("planner", "decider", "agent.actions", GroupAuthorizationFailedError),  # another role's group
         ("decider", "planner", "agent.actions", GroupAuthorizationFailedError),
         ("engine-bridge", "logctl-tail-x", "kv.events", GroupAuthorizationFailedError),  # logctl's prefix
-        ("planner", "planner", "kv.events", TopicAuthorizationFailedError),  # its group, a topic it may not read
+        ("planner", "planner", "agent.dlq", TopicAuthorizationFailedError),  # its group, a topic it may not read
         ("engine-bridge", "engine-bridge", "agent.actions", TopicAuthorizationFailedError),
     ],
 )
@@ -458,7 +458,7 @@ def test_rdkafka_planner_forging_effects_and_verdicts_is_refused_and_lands_nothi
     ("principal", "group", "topic", "error"),
     [
         ("planner", "decider", "agent.actions", "GROUP_AUTHORIZATION_FAILED"),  # another role's group
-        ("planner", "planner", "kv.events", "TOPIC_AUTHORIZATION_FAILED"),  # its group, a topic it may not read
+        ("planner", "planner", "agent.dlq", "TOPIC_AUTHORIZATION_FAILED"),  # its group, a topic it may not read
     ],
 )
 def test_rdkafka_consumer_of_a_foreign_group_or_topic_is_refused(

@@ -51,3 +51,40 @@ def test_a_discard_after_the_last_call_drops_the_prefix_on_that_engine_only() ->
         assert view.dropped("s", "e1", T0)
 
     asyncio.run(run())
+
+
+def test_kv_events_are_read_from_every_partition_and_only_new_records_on_a_refresh() -> None:
+    from schemas.events import KVBlocksRemoved, KVBlocksStored, KVCacheHit, KVTier
+    from services.placement import Holding
+    from workers.cache_view import KVEvents
+
+    def stored(hashes: list[str], parent: str | None = None) -> KVBlocksStored:
+        return KVBlocksStored(
+            engine_id="e0", block_hashes=hashes, parent_block_hash=parent, num_tokens=16 * len(hashes),
+            block_size=16, tier=KVTier.GPU,
+        )  # fmt: skip
+
+    async def run() -> None:
+        log = SharedLog(MemoryBackend(), actor="engine-bridge", clock=lambda: T0)
+        await log.backend.start()
+        await log.backend.create_topics(4)
+        await log.start()
+        # The parent and its fork in different partitions; the fork's store continues the parent's blocks.
+        parent, fork = "p", next(f"f{i}" for i in range(100) if log.partition_for(f"f{i}") != log.partition_for("p"))
+        await log.append(parent, stored(["a", "b", "c"]))
+        await log.append(fork, stored(["x"], parent="c"))
+        await log.append(fork, KVCacheHit(engine_id="e0", call_id="llm-2", cached_tokens=48, prompt_tokens=60,
+                                          tier=KVTier.GPU))  # fmt: skip
+        view = KVEvents(log, refresh_s=0.0)
+        await view.refresh()
+        assert view.holding(fork, ["e0", "e1"]) == {"e0": Holding(64, "llm-2")}
+        assert view.holding(parent, ["e0", "e1"]) == {"e0": Holding(48, None)}
+        # The engine evicts the parent's b, reported for the fork (it held it last): both lose what follows.
+        await log.append(fork, KVBlocksRemoved(engine_id="e0", block_hashes=["b"], tier=KVTier.GPU))
+        await view.refresh()
+        assert view.num_events == 4
+        assert view.holding(fork, ["e0"]) == {"e0": Holding(16, "llm-2")}
+        assert view.holding(parent, ["e0"]) == {"e0": Holding(16, None)}
+        assert view.holding("nobody", ["e0"]) == {}
+
+    asyncio.run(run())
