@@ -5,7 +5,9 @@ decider, executor and the cache manager) on the shared broker in a namespace of 
 script sessions through ``logctl run`` and reads the log and the engines' ``/stats`` back:
 
 - cache locality: a session's calls after a tool gap go to the engine that holds its blocks, which
-  serves their prefix from its cache;
+  serves their prefix from its cache; when that engine evicts part or all of them under pressure
+  (no decision of the cache manager's), its ``kv.events`` say so and the next route expects what
+  the engine kept, which is what it serves;
 - failover: a SIGKILLed engine's sessions move to the other engine (reason ``failover``), which
   computes each moved call once, and every session finishes;
 - model size: steps that declare ``small`` go to the small engine, the others to the large one, an
@@ -138,6 +140,85 @@ def test_calls_after_a_tool_gap_go_to_the_engine_that_holds_the_sessions_blocks(
         assert [s.engine_id for s in of(bodies, ev.LLMCallStarted)] == [home] * 3
     # Every call was computed once, on the engine the log says served it.
     assert sum(s["num_served"] for s in stats) == 3 * len(sessions) and sum(s["num_replayed"] for s in stats) == 0
+
+
+def kv_removed(routed: Routed, session_id: str, engine_id: str) -> int:
+    """Blocks ``kv.events`` says the engine removed of the session so far."""
+
+    async def read() -> int:
+        count = 0
+        async with open_log(routed.log_url, actor="auditor", namespace=routed.namespace) as log:
+            for partition, end in (await log.end_offsets("kv.events")).items():
+                async for record in log.scan("kv.events", partition, 0, end):
+                    envelope = log.decode(record)
+                    body = envelope.body
+                    if isinstance(body, ev.KVBlocksRemoved) and envelope.session_id == session_id:
+                        count += len(body.block_hashes) if body.engine_id == engine_id else 0
+        return count
+
+    return asyncio.run(read())
+
+
+def pressure(routed: Routed, index: int, prompt_tokens: int) -> dict[str, Any]:
+    """One call straight to engine ``index`` (no planner, no route): its blocks push others out, LRU."""
+    body = {
+        "request_id": f"pressure-{uuid.uuid4().hex[:8]}",
+        "session_id": f"pressure-{uuid.uuid4().hex[:8]}",
+        "prompt_runs": [[987_654, prompt_tokens]],
+        "max_tokens": 1,
+    }
+    request = urllib.request.Request(
+        f"{routed.stack.url_of(index)}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+        return answer
+
+
+@pytest.mark.parametrize(
+    ("pressure_tokens", "reason"),
+    [
+        # 64 blocks of 16 tokens. After the first call (400 + 8 tokens: 25 full blocks, 26 used) 39
+        # blocks are free ahead of the session's 25 cached ones in the LRU queue, its tail first.
+        (770, "locality"),  # 49 blocks: evicts 10 of its tail, it keeps 15 (240 tokens) there
+        (1015, "least_loaded"),  # 64 blocks: evicts all of it; nobody holds any of it
+    ],
+    ids=["part", "all"],
+)
+def test_an_engines_eviction_shows_in_kv_events_and_the_next_route_expects_what_it_kept(
+    pressure_tokens: int, reason: str, kafka_bootstrap: str, namespace: str, tmp_path: Path
+) -> None:
+    routed = Routed(kafka_bootstrap, namespace, tmp_path, time_scale=0.2, engine_args=["--gpu-blocks", "64"])
+    steps = script(llm(400), sleep(40), llm(32))  # 8 s at the time scale: the test evicts in the gap
+    with routed.stack:
+        (sid,) = routed.run(steps, sessions=1, prefix=f"ev-{uuid.uuid4().hex[:4]}", wait=False)
+        actions = routed.wait_until(lambda a: of(a.get(sid, []), ev.LLMCallCompleted), "the first call answered")
+        home = of(actions[sid], ev.LLMCallCompleted)[0].engine_id
+        index = int(home.rsplit("-", 1)[1])
+        assert kv_removed(routed, sid, home) == 0
+        pressure(routed, index, pressure_tokens)
+        # The engine's removal of the session's blocks reaches kv.events (its bridge polls it).
+        deadline = time.monotonic() + 10
+        while (evicted := kv_removed(routed, sid, home)) == 0:
+            assert time.monotonic() < deadline, routed.tails()
+            time.sleep(0.2)
+        early = [r for r in of(routed.actions()[sid], ev.EngineRouted) if r.call_id == "llm-2"]
+        assert not early, f"the tool gap ended before the eviction was in the log: {early}"
+        actions = routed.wait_until(finished([sid]), "the session finished")
+    first, second = of(actions[sid], ev.EngineRouted)
+    done = of(actions[sid], ev.LLMCallCompleted)[1]
+    assert first.engine_id == home and second.call_id == "llm-2"
+    # The route expected exactly what the engine then served from its cache (the log alone would
+    # have expected the whole 408-token context back on its engine).
+    assert second.expected_cached_tokens == done.cached_tokens, (second, done)
+    assert second.reason == reason, second
+    if reason == "locality":
+        assert second.engine_id == home and done.engine_id == home
+        assert 0 < second.expected_cached_tokens == 16 * (25 - evicted) < 400, (second, evicted)
+        assert f"kv.events: {home} kept {second.expected_cached_tokens} of its 408 context tokens" in second.detail
+    else:
+        assert evicted == 25 and second.expected_cached_tokens == 0
+        assert "no engine holds its prefix" in second.detail and "kept 0 of its 408" in second.detail
 
 
 def test_a_forks_first_call_goes_where_its_parent_ran(kafka_bootstrap: str, namespace: str, tmp_path: Path) -> None:
