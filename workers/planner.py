@@ -40,7 +40,9 @@ OpenAI endpoints: vLLM refuses a non-zero priority unless its server runs with t
 ``workers/engines/pool.py``): before each LLM call the planner picks a model size for the step
 (``services.routing.choose_size``: what the program declares, an operator's pin, what finished
 sessions taught) and an engine (``--router``, default ``locality``: the engine that holds the
-session's prefix, a fork's parent's, unless its queue makes recomputing elsewhere cheaper), and
+session's prefix, a fork's parent's, unless its queue makes recomputing elsewhere cheaper; where
+the prefix is comes from the log, the engines' ``kv.events``, every partition, and the cache
+manager's ``kv.decisions``: ``workers/cache_view.py``, docs/routing.md), and
 appends ``EngineRouted`` before ``LLMCallStarted`` (which names the chosen engine). A call that
 cannot reach its engine marks it down for ``--engine-down-s`` and goes to another one (a new
 ``EngineRouted``, reason ``failover``, same request id), which computes it once; a call resumed

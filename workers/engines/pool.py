@@ -144,7 +144,8 @@ class EnginePool:
         self, router: Router, call: CallRequest, now: float, *, failed: str | None = None
     ) -> tuple[Route, str | None]:
         """Route ``call`` over every engine, and the engine it leaves (``failed``, or else the engine
-        holding its prefix when that one is marked down: moving off it is a failover).
+        holding more of its prefix than the chosen one when that one is marked down: moving off it
+        is a failover).
 
         Every engine is passed, the ones marked down as unhealthy: the router keeps to the call's
         size, falls back to the other one, and sees a down engine that held the prefix. When every
@@ -157,8 +158,17 @@ class EnginePool:
             ]
         chosen = router.route(call, engines)
         if not failed:
-            held = call.cached_tokens
-            failed = next((e for e in held if e != chosen.engine_id and not self.healthy(e, now)), None)
+            # Only an engine holding more of the prefix than the chosen one: a down engine that
+            # kv.events say still holds an older, shorter prefix is no failover to move off.
+            here = call.cached_on(chosen.engine_id)
+            failed = next(
+                (
+                    e
+                    for e in call.cached_tokens
+                    if e != chosen.engine_id and call.cached_on(e) > here and not self.healthy(e, now)
+                ),
+                None,
+            )
         return chosen, failed
 
     def begin(self, engine_id: str, tokens: int) -> None:

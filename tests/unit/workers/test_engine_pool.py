@@ -77,6 +77,19 @@ def test_choose_routes_to_the_holder_and_a_down_holder_is_a_failover() -> None:
     assert (route.engine_id, failed) == ("sim-0", "sim-1")
 
 
+def test_a_down_engine_holding_less_of_the_prefix_than_the_chosen_one_is_no_failover() -> None:
+    from services.routing import CallRequest, make_router
+
+    # kv.events: the session moved to sim-0 (its whole context there); the dead sim-1 still holds
+    # the older, shorter prefix it had before: going on with sim-0 leaves nothing.
+    pool, router = _pool(), make_router("locality")
+    pool.mark_down("sim-1", 0.0)
+    route, failed = pool.choose(router, CallRequest("s", 100, {"sim-0": 90, "sim-1": 40}), 1.0)
+    assert (route.engine_id, route.reason, failed) == ("sim-0", "only", None)
+    route, failed = pool.choose(router, CallRequest("s", 100, {"sim-0": 40, "sim-1": 90}), 1.0)
+    assert (route.engine_id, route.reason, failed) == ("sim-0", "failover", "sim-1")
+
+
 def test_choose_tries_all_engines_when_all_are_marked_down_but_the_one_that_just_failed() -> None:
     from services.routing import CallRequest, make_router
 
