@@ -102,6 +102,8 @@ class KVEvents:
         self._read_at = now
         for partition, end in sorted((await self.log.end_offsets(KV_EVENTS.name)).items()):
             start = self._next.get(partition, 0)
+            if start >= end:
+                continue  # nothing new there
             async for record in self.log.scan(KV_EVENTS.name, partition, start, end):
                 try:
                     envelope = self.log.decode(record)
