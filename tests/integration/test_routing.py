@@ -238,6 +238,31 @@ def test_a_forks_first_call_goes_where_its_parent_ran(kafka_bootstrap: str, name
         assert done.engine_id == home and done.cached_tokens >= 400, done
 
 
+def test_a_forks_first_call_expects_what_kv_events_say_the_engine_kept_of_its_parents_prefix(
+    kafka_bootstrap: str, namespace: str, tmp_path: Path
+) -> None:
+    routed = Routed(kafka_bootstrap, namespace, tmp_path, time_scale=0.2, engine_args=["--gpu-blocks", "64"])
+    steps = script(llm(400), sleep(40), {"fork": [{"steps": [llm(32)]}]}, llm(16))
+    with routed.stack:
+        (parent,) = routed.run(steps, sessions=1, prefix=f"fkv-{uuid.uuid4().hex[:4]}", wait=False)
+        actions = routed.wait_until(lambda a: of(a.get(parent, []), ev.LLMCallCompleted), "the first call answered")
+        home = of(actions[parent], ev.LLMCallCompleted)[0].engine_id
+        pressure(routed, int(home.rsplit("-", 1)[1]), 770)  # evicts 10 of the parent's 25 blocks there
+        deadline = time.monotonic() + 10
+        while (evicted := kv_removed(routed, parent, home)) == 0:
+            assert time.monotonic() < deadline, routed.tails()
+            time.sleep(0.2)
+        assert not [s for s in routed.actions() if s.startswith(f"{parent}.")], "forked before the eviction"
+        actions = routed.wait_until(finished([parent]), "the parent finished")
+    (branch,) = [s for s in actions if s.startswith(f"{parent}.")]
+    (route,) = of(actions[branch], ev.EngineRouted)  # the inherited call is the parent's, not routed again
+    (done,) = of(actions[branch], ev.LLMCallCompleted)
+    # The parent's blocks the engine kept (its kv.events, in the parent's partition) are the fork's prefix.
+    assert (route.engine_id, route.reason) == (home, "locality"), route
+    assert route.expected_cached_tokens == done.cached_tokens == 16 * (25 - evicted) == 240, (route, done)
+    assert f"kv.events: {home} kept 240 of its 408 context tokens" in route.detail
+
+
 def test_a_killed_engines_sessions_move_to_the_other_and_recompute_once(
     kafka_bootstrap: str, namespace: str, tmp_path: Path
 ) -> None:
