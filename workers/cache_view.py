@@ -25,6 +25,8 @@ planner the whole topic once, as the cache manager reads it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from datetime import datetime
 
@@ -85,7 +87,14 @@ class CacheDecisions:
 
 
 class KVEvents:
-    """The engines' ``kv.events``, folded into ``KVHoldings`` as the planner routes (module docstring)."""
+    """The engines' ``kv.events``, folded into ``KVHoldings`` as the planner routes (module docstring).
+
+    The first ``refresh`` reads the topic's whole history, which on a long-running stack is long
+    (infinite retention): it runs in the background, and until it has reached the ends the topic
+    had when it started, ``holding`` answers nothing, so routes go by the log alone, as without
+    kv.events, instead of waiting. Later refreshes read what is new, inline, one at a time (a lock:
+    two routes reading the same records at once would fold them out of order).
+    """
 
     def __init__(self, log: SharedLog, *, refresh_s: float = 0.5) -> None:
         self.log = log
@@ -94,30 +103,60 @@ class KVEvents:
         self.num_events = 0
         self._next: dict[int, int] = {}  # partition -> next offset to read
         self._read_at = -1e9
+        self._lock = asyncio.Lock()
+        self._catch_up: asyncio.Task[None] | None = None
+
+    @property
+    def caught_up(self) -> bool:
+        return self._catch_up is not None and self._catch_up.done() and not self._catch_up.cancelled()
 
     async def refresh(self) -> None:
+        if self._catch_up is None:
+            self._read_at = time.monotonic()
+            self._catch_up = asyncio.create_task(self._read(), name="kv-events-catch-up")
+        if not self._catch_up.done():
+            return
+        self._catch_up.result()  # what stopped it, if it failed
         now = time.monotonic()
         if now - self._read_at < self.refresh_s:
             return
         self._read_at = now
-        for partition, end in sorted((await self.log.end_offsets(KV_EVENTS.name)).items()):
-            start = self._next.get(partition, 0)
-            if start >= end:
-                continue  # nothing new there
-            async for record in self.log.scan(KV_EVENTS.name, partition, start, end):
-                try:
-                    envelope = self.log.decode(record)
-                except Exception:  # a bad record goes to the DLQ, by the consumers that own it
-                    continue
-                self.holdings.apply(envelope.session_id, envelope.body)
-                self.num_events += 1
-            self._next[partition] = max(start, end)
+        await self._read()
+
+    async def wait_caught_up(self) -> None:
+        """Start the first read if needed and wait for it (tests; a planner does not wait)."""
+        await self.refresh()
+        assert self._catch_up is not None
+        await self._catch_up
+
+    async def _read(self) -> None:
+        async with self._lock:
+            for partition, end in sorted((await self.log.end_offsets(KV_EVENTS.name)).items()):
+                start = self._next.get(partition, 0)
+                if start >= end:
+                    continue  # nothing new there
+                async for record in self.log.scan(KV_EVENTS.name, partition, start, end):
+                    try:
+                        envelope = self.log.decode(record)
+                    except Exception:  # a bad record goes to the DLQ, by the consumers that own it
+                        continue
+                    self.holdings.apply(envelope.session_id, envelope.body)
+                    self.num_events += 1
+                self._next[partition] = end
 
     def holding(self, session_id: str, engine_ids: list[str]) -> dict[str, Holding]:
-        """Per engine whose events name a context of the session: what it holds of it."""
+        """Per engine whose events named the session: what it holds of it (nothing before the catch-up)."""
+        if not self.caught_up:
+            return {}
         h = self.holdings
         return {
             e: Holding(h.held_tokens(e, session_id), h.reported(e, session_id))
             for e in engine_ids
             if h.knows(e, session_id)
         }
+
+    async def aclose(self) -> None:
+        if self._catch_up is not None and not self._catch_up.done():
+            self._catch_up.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._catch_up

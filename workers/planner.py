@@ -256,7 +256,16 @@ class PlannerWorker(SessionWorker):
             router=args.router,
         )
 
+    async def prepare(self) -> None:
+        """Start reading the engines' kv.events (in the background: ``KVEvents``), so that the view
+        has caught up by the time the first session has a prefix to route by."""
+        await super().prepare()
+        if self.kv_view is not None:
+            await self.kv_view.refresh()
+
     async def close(self) -> None:
+        if self.kv_view is not None:
+            await self.kv_view.aclose()
         if self.pool is not None:
             await self.pool.close()
         else:
@@ -596,14 +605,13 @@ class PlannerWorker(SessionWorker):
         manager discarded it since (a fork's inherited call: its parent's events and decisions)."""
         call = last_call(state)
         assert self.pool is not None
+        if self.kv_view is not None:
+            await self.kv_view.refresh()
         if call is None or call.completed is None:
             return Located({})
         owner = call.origin or state.session_id
         engine_ids = [s.engine_id for s in self.pool.specs]
-        holdings = {}
-        if self.kv_view is not None:
-            await self.kv_view.refresh()
-            holdings = self.kv_view.holding(owner, engine_ids)
+        holdings = {} if self.kv_view is None else self.kv_view.holding(owner, engine_ids)
         dropped: list[str] = []
         if self.cache_view is not None:
             await self.cache_view.refresh(self.log.partition_for(owner))

@@ -9,8 +9,9 @@ import pytest
 
 from log import SharedLog
 from log.memory_backend import MemoryBackend
-from schemas.events import CacheAction, CacheDecisionMade
-from workers.cache_view import CacheDecisions
+from schemas.events import CacheAction, CacheDecisionMade, KVBlocksRemoved, KVBlocksStored, KVCacheHit, KVTier
+from services.placement import Holding
+from workers.cache_view import CacheDecisions, KVEvents
 
 pytestmark = pytest.mark.unit
 
@@ -54,9 +55,6 @@ def test_a_discard_after_the_last_call_drops_the_prefix_on_that_engine_only() ->
 
 
 def test_kv_events_are_read_from_every_partition_and_only_new_records_on_a_refresh() -> None:
-    from schemas.events import KVBlocksRemoved, KVBlocksStored, KVCacheHit, KVTier
-    from services.placement import Holding
-    from workers.cache_view import KVEvents
 
     def stored(hashes: list[str], parent: str | None = None) -> KVBlocksStored:
         return KVBlocksStored(
@@ -76,7 +74,9 @@ def test_kv_events_are_read_from_every_partition_and_only_new_records_on_a_refre
         await log.append(fork, KVCacheHit(engine_id="e0", call_id="llm-2", cached_tokens=48, prompt_tokens=60,
                                           tier=KVTier.GPU))  # fmt: skip
         view = KVEvents(log, refresh_s=0.0)
-        await view.refresh()
+        assert view.holding(fork, ["e0"]) == {}  # nothing before the first read is done
+        await view.wait_caught_up()
+        assert view.caught_up
         assert view.holding(fork, ["e0", "e1"]) == {"e0": Holding(64, "llm-2")}
         assert view.holding(parent, ["e0", "e1"]) == {"e0": Holding(48, None)}
         # The engine evicts the parent's b, reported for the fork (it held it last): both lose what follows.
@@ -86,5 +86,30 @@ def test_kv_events_are_read_from_every_partition_and_only_new_records_on_a_refre
         assert view.holding(fork, ["e0"]) == {"e0": Holding(16, "llm-2")}
         assert view.holding(parent, ["e0"]) == {"e0": Holding(16, None)}
         assert view.holding("nobody", ["e0"]) == {}
+        await view.aclose()
+
+    asyncio.run(run())
+
+
+def test_the_first_kv_events_read_runs_in_the_background_and_routes_do_not_wait_for_it() -> None:
+
+    async def run() -> None:
+        log = SharedLog(MemoryBackend(), actor="engine-bridge", clock=lambda: T0)
+        await log.backend.start()
+        await log.backend.create_topics(4)
+        await log.start()
+        for i in range(50):
+            body = KVBlocksStored(engine_id="e0", block_hashes=[f"h{i}"], num_tokens=16, block_size=16, tier=KVTier.GPU)
+            await log.append(f"s{i}", body)
+        view = KVEvents(log, refresh_s=0.0)
+        await view.refresh()  # starts the catch-up and returns at once
+        assert not view.caught_up and view.holding("s0", ["e0"]) == {}
+        await view.wait_caught_up()
+        assert view.num_events == 50 and view.holding("s0", ["e0"]) == {"e0": Holding(16, None)}
+        # A view closed while catching up cancels the read, and answers nothing.
+        closing = KVEvents(log, refresh_s=0.0)
+        await closing.refresh()
+        await closing.aclose()
+        assert not closing.caught_up and closing.holding("s0", ["e0"]) == {}
 
     asyncio.run(run())
