@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from datetime import datetime
 
@@ -38,6 +39,8 @@ from services.placement import Holding
 from services.scheduling import preserved_until
 
 __all__ = ["CacheDecisions", "KVEvents"]
+
+_log = logging.getLogger(__name__)
 
 
 class CacheDecisions:
@@ -111,23 +114,35 @@ class KVEvents:
         return self._catch_up is not None and self._catch_up.done() and not self._catch_up.cancelled()
 
     async def refresh(self) -> None:
+        """Read what is new (module docstring). A read that fails (the broker away, no READ on the
+        topic) is logged and tried again after ``refresh_s``: routing never fails for kv.events, it
+        goes by what has been read (the log alone, before the catch-up)."""
+        now = time.monotonic()
         if self._catch_up is None:
-            self._read_at = time.monotonic()
+            if now - self._read_at < self.refresh_s:
+                return
+            self._read_at = now
             self._catch_up = asyncio.create_task(self._read(), name="kv-events-catch-up")
         if not self._catch_up.done():
             return
-        self._catch_up.result()  # what stopped it, if it failed
-        now = time.monotonic()
+        if self._catch_up.cancelled() or self._catch_up.exception() is not None:
+            error = None if self._catch_up.cancelled() else self._catch_up.exception()
+            _log.error("reading kv.events failed (%s); routing by the log alone until it is read", error)
+            self._catch_up = None  # started again by a refresh after refresh_s
+            return
         if now - self._read_at < self.refresh_s:
             return
         self._read_at = now
-        await self._read()
+        try:
+            await self._read()
+        except Exception as e:  # routing goes on with what was read; the next refresh continues
+            _log.error("reading kv.events failed (%s); routing by what was read so far", e)
 
     async def wait_caught_up(self) -> None:
         """Start the first read if needed and wait for it (tests; a planner does not wait)."""
         await self.refresh()
-        assert self._catch_up is not None
-        await self._catch_up
+        if self._catch_up is not None:
+            await asyncio.wait([self._catch_up])
 
     async def _read(self) -> None:
         async with self._lock:

@@ -113,3 +113,37 @@ def test_the_first_kv_events_read_runs_in_the_background_and_routes_do_not_wait_
         assert not closing.caught_up and closing.holding("s0", ["e0"]) == {}
 
     asyncio.run(run())
+
+
+def test_a_failed_kv_events_read_is_logged_and_tried_again_and_routing_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def run() -> None:
+        log = SharedLog(MemoryBackend(), actor="engine-bridge", clock=lambda: T0)
+        await log.backend.start()
+        await log.backend.create_topics(4)
+        await log.start()
+        body = KVBlocksStored(engine_id="e0", block_hashes=["a"], num_tokens=16, block_size=16, tier=KVTier.GPU)
+        await log.append("s", body)
+        real = log.end_offsets
+        failures = [RuntimeError("TOPIC_AUTHORIZATION_FAILED"), RuntimeError("broker away")]
+
+        async def flaky(topic: str) -> dict[int, int]:
+            if failures:
+                raise failures.pop(0)
+            return await real(topic)
+
+        log.end_offsets = flaky  # type: ignore[method-assign]
+        view = KVEvents(log, refresh_s=0.0)
+        await view.wait_caught_up()  # the catch-up fails
+        await view.refresh()  # logged; nothing known, no error raised
+        assert not view.caught_up and view.holding("s", ["e0"]) == {}
+        await view.wait_caught_up()  # tried again: fails again, then succeeds
+        await view.refresh()
+        await view.wait_caught_up()
+        assert view.caught_up and view.holding("s", ["e0"]) == {"e0": Holding(16, None)}
+
+    with caplog.at_level("ERROR", logger="workers.cache_view"):
+        asyncio.run(run())
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["reading kv.events failed"] * 2
+    assert "TOPIC_AUTHORIZATION_FAILED" in caplog.records[0].getMessage()
