@@ -90,3 +90,11 @@ def test_the_gateway_gives_the_sessions_priority_in_place_of_the_clients() -> No
     assert ranked is not None and (ranked.attained_ms, ranked.age_ms, ranked.warm) == (100.0, 3_200.0, False)
     # off: the body goes as the client sent it
     assert gateway(None)._engine_body("s", body, 0)["priority"] == -(10**9)
+
+
+def test_vllm_gets_the_extra_environment_it_is_started_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the real-vLLM priority test starts its own server with (vLLM's /pause and /resume)."""
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    config = VllmServerConfig(model="m", run_dir=tmp_path, python="python", extra_env={"VLLM_SERVER_DEV_MODE": "1"})
+    assert config.env()["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_SERVER_DEV_MODE" not in VllmServerConfig(model="m", run_dir=tmp_path, python="python").env()

@@ -243,6 +243,12 @@ class AgentlogScheduler(Scheduler):  # type: ignore[misc]
                     },
                     "pending": sorted(self._pending),
                     "pressure_releases": list(self.pressure_releases),
+                    # What vLLM's own queues hold: the sessions of the running requests, and the
+                    # waiting ones with their priorities in the order vLLM will admit them (its
+                    # --scheduling-policy's order), so a client can see that requests queued
+                    # instead of timing them.
+                    "running": [r.session_id for r in self.running],
+                    "waiting": [[r.session_id, r.priority] for r in self.waiting],
                 }
             session_id = request.get("session")
             if not isinstance(session_id, str) or not session_id:

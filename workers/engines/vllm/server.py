@@ -124,6 +124,8 @@ class VllmServerConfig:
     """Lets vLLM accept a named or ``required`` ``tool_choice`` (see the module docstring)."""
     scheduling_policy: str = "fcfs"
     """vLLM's ``--scheduling-policy``: ``fcfs`` or ``priority`` (serve requests by their ``priority``)."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """More environment for vLLM (e.g. ``VLLM_SERVER_DEV_MODE=1``: its ``/pause`` and ``/resume``)."""
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -204,6 +206,7 @@ class VllmServerConfig:
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # vLLM imports twice as fast from .pyc (written on first start)
         if self.cpu:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.update(self.extra_env)
         return env
 
     def endpoints(self) -> dict[str, str]:
