@@ -50,8 +50,11 @@ from the log): a finished session stays finished, so the client starts another s
 
 The gateway writes only agent.gateway and reads agent.gateway (its journal: steps,
 idempotency, released calls), agent.verdicts and agent.actions (only to refuse, with 409
-``session_not_external``, a session id the planner runs a program for). It serves once it has read both to their
-end. Requests of one session are served one at a time (their steps are numbered in order).
+``session_not_external``, a session id the planner runs a program for). It serves once it has read all three to
+their end. The journal is read once, at start (``_read_journal``), and not consumed after: the gateway is its
+only writer and folds each record it appends itself, once durable (``_append``); a poll would only hand its own
+records back (decoded and verified again, about a third of its CPU). Requests of one session are served one at
+a time (their steps are numbered in order).
 
 Run: ``python -m workers.gateway [--log-url URL] (--engine-url http://127.0.0.1:8100 |
 --engine ID=URL ... [--router locality|least_loaded|round_robin]) [--port 8200] [--models NAMES]
@@ -78,7 +81,9 @@ from typing import Any, ClassVar
 import aiohttp
 from aiohttp import web
 
-from log import Draft, LoggedEvent, SharedLog
+from log import Draft, LoggedEvent, RecordError, SharedLog
+from log import topics as topic_table
+from log.chain import ChainVerifier
 from log.topics import AGENT_ACTIONS, AGENT_GATEWAY, AGENT_VERDICTS
 from schemas import events as ev
 from services.gateway import (
@@ -166,6 +171,11 @@ class GatewaySession:
     """The priority of the call being served (one at a time: the lock), recorded with it."""
     routes: list[ev.GatewayEngineRouted] = field(default_factory=list)
     """The routes of the call being served (a failover adds one), appended with its record."""
+    reporting: list[ev.GatewayToolResultReported] = field(default_factory=list)
+    """The tool results of the request being served, appended while its engine call runs (folded
+    into ``reported`` and ``gaps_ms`` once durable; its priority already counts their gaps)."""
+    results_landed: asyncio.Future[None] | None = None
+    """That append: the answer's record waits for it."""
 
     def seen(self, at: float) -> None:
         self.last_seen = max(self.last_seen, at)
@@ -194,7 +204,12 @@ class GatewaySession:
 class GatewayWorker(Worker):
     role = "gateway"
     # agent.actions: only to know the sessions the planner runs, which the gateway must not claim.
-    topics = (AGENT_GATEWAY.name, AGENT_VERDICTS.name, AGENT_ACTIONS.name)
+    # Not agent.gateway: read at start (``_read_journal``), then known from the gateway's own appends.
+    topics = (AGENT_VERDICTS.name, AGENT_ACTIONS.name)
+    journal = AGENT_GATEWAY.name
+    # Every start reads from the beginning (``from_beginning``): offsets are only for monitoring
+    # (lag), not worth a commit, a broker round trip, after every poll.
+    commit_every_s = 1.0
     event_ids = GATEWAY_EVENT_IDS
     # A client waits for each append (one record per request): lingering to fill a batch only
     # adds to its latency. Concurrent requests still share batches, formed while one is in flight.
@@ -338,7 +353,22 @@ class GatewayWorker(Worker):
             self.models = await self._engine_models()
         if not self.api_keys:
             _log.warning("gateway: no API keys configured, every client is let in")
+        await self._read_journal()
         self.set_boundaries({t: await self.log.end_offsets(t) for t in self.topics})
+
+    async def _read_journal(self) -> None:
+        """Fold every record of agent.gateway, verified as a consumer verifies it (a record that fails
+        is left out: the planner and the executor, which consume the topic, dead-letter it)."""
+        topic = topic_table.topic(self.journal)
+        verifier = ChainVerifier()
+        for partition, end in sorted((await self.log.end_offsets(self.journal)).items()):
+            async for record in self.log.scan(self.journal, partition, 0, end):
+                try:
+                    envelope = self.log.decode(record)
+                    verifier.verify(topic, record.key, envelope, record.position)
+                except RecordError:
+                    continue
+                self._fold(envelope.session_id, envelope.body, envelope.occurred_at)
 
     async def _engine_models(self) -> tuple[str, ...]:
         """Every model an engine lists (in engine order; an engine that does not answer lists none)."""
@@ -405,7 +435,7 @@ class GatewayWorker(Worker):
     async def _append(self, session_id: str, body: ev.Event, kind: str, key: str) -> datetime:
         at = self.log.clock()
         await self.log.append_many([Draft(session_id, body, self.event_ids(session_id, kind, key), None, at)])
-        self._fold(session_id, body, at)
+        self._fold(session_id, body, at)  # once durable; the only fold of it (the journal is not consumed)
         return at
 
     async def _verdict(self, session_id: str, call_id: str) -> Verdict:
@@ -455,6 +485,8 @@ class GatewayWorker(Worker):
 
     async def _end(self, session: GatewaySession, cause: str, reason: str) -> ev.GatewaySessionEnded:
         """Append the session's end (under its lock, so no request is in flight)."""
+        if session.results_landed is not None:  # a request that failed at its engine left results landing
+            await asyncio.gather(session.results_landed, return_exceptions=True)
         ended = ev.GatewaySessionEnded(reason=reason, cause=cause, num_llm_calls=len(session.calls))
         await self._append(session.session_id, ended, "ended", "")
         _log.info("gateway: session %s ended: %s", session.session_id, reason)
@@ -585,7 +617,7 @@ class GatewayWorker(Worker):
                     code="rate_limit_exceeded",
                 )
                 return error.response({"Retry-After": str(retry)})
-            await self._record_results(session, body["messages"])
+            await self._report_results(session, body["messages"])
             step = session.next_step
             session.routes = []
             if stream:
@@ -601,12 +633,40 @@ class GatewayWorker(Worker):
         call_id = session.by_key.get(idem) if idem is not None else session.by_digest.get(digest)
         return session.calls.get(call_id) if call_id is not None else None
 
-    async def _record_results(self, session: GatewaySession, messages: list[dict[str, Any]]) -> None:
+    async def _report_results(self, session: GatewaySession, messages: list[dict[str, Any]]) -> None:
+        """Start appending the request's tool results (one batch), alongside its engine call: the call
+        does not depend on them, so their append is off the critical path. The answer's record is
+        appended after them (later in the session's partition) and waits for them (``_record``); a
+        request answered with an engine error leaves them to land (``spawn``: drained at shutdown)
+        and the session's next request waits for them before it looks at what was reported."""
+        if (previous := session.results_landed) is not None:
+            await asyncio.gather(previous, return_exceptions=True)  # failed: reported again now
+        session.results_landed = None
+        if reports := self._tool_reports(session, messages):
+            session.reporting = reports
+            session.results_landed = self.spawn(self._record_results(session, reports))
+
+    async def _record_results(self, session: GatewaySession, reports: list[ev.GatewayToolResultReported]) -> None:
+        sid, at = session.session_id, self.log.clock()
+        try:
+            await self.log.append_many(
+                [Draft(sid, r, self.event_ids(sid, "reported", r.call_id), None, at) for r in reports]
+            )
+        finally:
+            session.reporting = []
+        for reported in reports:
+            self._fold(sid, reported, at)  # once durable
+
+    def _tool_reports(
+        self, session: GatewaySession, messages: list[dict[str, Any]]
+    ) -> list[ev.GatewayToolResultReported]:
+        """The request's ``tool`` messages that answer calls released to the client and not recorded yet."""
         now = self.log.clock()
         released = session.released()
         served_at = {t.call_id: at for t, at in released}
+        out: dict[str, ev.GatewayToolResultReported] = {}
         for call, content in reported_tool_results(messages, [t for t, _ in released]):
-            if call.call_id in session.reported:
+            if call.call_id in session.reported or call.call_id in out:
                 continue
             verdict = self.verdicts.get((session.session_id, call.call_id))
             if not isinstance(verdict, ev.ToolCallCommitted):
@@ -619,7 +679,8 @@ class GatewayWorker(Worker):
                 result_tokens=estimate_tokens(text),
                 gap_ms=max(0.0, (now - served_at[call.call_id]).total_seconds() * 1000),
             )
-            await self._append(session.session_id, reported, "reported", call.call_id)
+            out[call.call_id] = reported
+        return list(out.values())
 
     # ------------------------------------------------------------ engine
 
@@ -644,7 +705,7 @@ class GatewayWorker(Worker):
         session = self.session(session_id)
         for served in session.calls.values():
             progress = progress.after_call(served)
-        for gap_ms in session.gaps_ms.values():
+        for gap_ms in [*session.gaps_ms.values(), *(r.gap_ms for r in session.reporting)]:
             progress = progress.after_tool(gap_ms)
         return prioritize(self.log.clock().timestamp(), progress, config=self.scheduling)
 
@@ -746,6 +807,8 @@ class GatewayWorker(Worker):
         *,
         stream: bool,
     ) -> ev.GatewayLLMCallServed:
+        if session.results_landed is not None:
+            await session.results_landed  # the request's tool results land first, durable before its answer
         ranked, session.ranked = session.ranked, None
         choice = (answer.get("choices") or [{}])[0]
         message = choice.get("message") or {}
