@@ -15,7 +15,12 @@ for plain and streamed chat completions, side by side in one run:
 - **latency**: ``--requests`` requests one at a time, each a new conversation (so neither the
   engine's request-id replay nor the gateway's log replay answers it), timed from sending to
   the last byte; direct calls give the engine a fresh ``request_id`` each;
-- **throughput**: the same number of requests from ``--concurrency`` clients at once.
+- **throughput**: the same number of requests from ``--concurrency`` clients at once;
+- **tool result** (plain, latency only, ``--requests`` / 4): a conversation whose first request
+  makes the model call the ``echo`` tool (untimed: through the gateway it waits for the
+  decider's vote), then, timed, the request that reports the tool's result and gets the
+  model's next answer; through the gateway it appends a ``GatewayToolResultReported`` besides
+  the answer's record (alongside the engine call, so not on its path).
 
 Direct and gateway rounds alternate in blocks of 20 so that drift on a shared machine hits both.
 Added latency is gateway minus direct, per percentile. The gateway's share is one durable
@@ -57,10 +62,24 @@ class Round:
     stream: bool
     latencies_ms: list[float]
     throughput_rps: float
+    mode: str = ""
+    """``plain``, ``stream`` or ``tool result``."""
+
+    def __post_init__(self) -> None:
+        self.mode = self.mode or ("stream" if self.stream else "plain")
 
     def percentile(self, p: float) -> float:
         ordered = sorted(self.latencies_ms)
         return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+ECHO = {
+    "type": "function",
+    "function": {
+        "name": "echo",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    },
+}
 
 
 def _body(i: int, run: str, stream: bool) -> dict[str, Any]:
@@ -106,6 +125,23 @@ class Bench:
                     out[path].append(await _one(http, *self.request(path, stream)))
         return out
 
+    async def tool_latency(self, http: aiohttp.ClientSession, n: int) -> dict[str, list[float]]:
+        """The request after a tool call: it carries the tool's result."""
+        out: dict[str, list[float]] = {"direct": [], "gateway": []}
+        for start in range(0, n, BLOCK):
+            for path in ("direct", "gateway"):
+                for _ in range(min(BLOCK, n - start)):
+                    url, body, headers = self.request(path, False)
+                    asked = {**body, "tools": [ECHO], "tool_choice": {"type": "function", "function": {"name": "echo"}}}
+                    async with http.post(url, json=asked, headers=headers) as response:
+                        message = (await response.json())["choices"][0]["message"]
+                    result = {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "echoed"}
+                    follow = {**asked, "messages": [*asked["messages"], message, result], "tool_choice": "none"}
+                    if path == "direct":
+                        follow["request_id"] = f"{body['session_id']}/llm-2"
+                    out[path].append(await _one(http, url, follow, headers))
+        return out
+
     async def throughput(self, http: aiohttp.ClientSession, path: str, n: int, stream: bool, clients: int) -> float:
         requests = [self.request(path, stream) for _ in range(n)]
         queue: asyncio.Queue[tuple[str, dict[str, Any], dict[str, str]]] = asyncio.Queue()
@@ -131,6 +167,8 @@ class Bench:
                 for path in ("direct", "gateway"):
                     rps = await self.throughput(http, path, n, stream, clients)
                     rounds.append(Round(path, stream, latencies[path], rps))
+            tool = await self.tool_latency(http, max(BLOCK, n // 4))
+            rounds += [Round(path, False, tool[path], float("nan"), "tool result") for path in ("direct", "gateway")]
             return rounds
 
 
@@ -152,18 +190,19 @@ def table(rounds: list[Round]) -> str:
         "| mode | path | requests/s | p50 ms | p99 ms | added p50 ms | added p99 ms |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    by = {(r.path, r.stream): r for r in rounds}
-    for stream in (False, True):
-        direct = by[("direct", stream)]
+    by = {(r.path, r.mode): r for r in rounds}
+    for mode in ("plain", "stream", "tool result"):
+        direct = by[("direct", mode)]
         for path in ("direct", "gateway"):
-            r = by[(path, stream)]
+            r = by[(path, mode)]
             added = (
                 (f"{r.percentile(50) - direct.percentile(50):.2f}", f"{r.percentile(99) - direct.percentile(99):.2f}")
                 if path == "gateway"
                 else ("", "")
             )
+            rps = "" if r.throughput_rps != r.throughput_rps else f"{r.throughput_rps:.0f}"  # NaN: not measured
             lines.append(
-                f"| {'stream' if stream else 'plain'} | {path} | {r.throughput_rps:.0f} | {r.percentile(50):.2f} "
+                f"| {mode} | {path} | {rps} | {r.percentile(50):.2f} "
                 f"| {r.percentile(99):.2f} | {added[0]} | {added[1]} |"
             )
     return "\n".join(lines)
@@ -226,8 +265,9 @@ def main(argv: list[str] | None = None) -> None:
             {
                 "log": name,
                 "path": r.path,
+                "mode": r.mode,
                 "stream": r.stream,
-                "requests_per_s": r.throughput_rps,
+                "requests_per_s": None if r.throughput_rps != r.throughput_rps else r.throughput_rps,
                 "p50_ms": r.percentile(50),
                 "p99_ms": r.percentile(99),
                 "mean_ms": statistics.fmean(r.latencies_ms),
