@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -101,10 +102,19 @@ async def _one(http: aiohttp.ClientSession, url: str, body: dict[str, Any], head
     return (time.perf_counter() - began) * 1000
 
 
+BASELINE = " (baseline)"
+"""The label of the paths through ``--baseline``'s stack."""
+
+
 class Bench:
-    def __init__(self, engine_url: str, gateway_url: str, key: str) -> None:
-        self.engine = f"{engine_url}/v1/chat/completions"
-        self.gateway = f"{gateway_url}/chat/completions"
+    """Requests to each stack's engine (``direct``) and gateway; ``targets``: label ("" or
+    ``BASELINE``) -> (engine URL, gateway URL)."""
+
+    def __init__(self, targets: dict[str, tuple[str, str]], key: str) -> None:
+        self.targets = {
+            label: (f"{e}/v1/chat/completions", f"{g}/chat/completions") for label, (e, g) in targets.items()
+        }
+        self.paths = [f"{kind}{label}" for label in self.targets for kind in ("direct", "gateway")]
         self.key = key
         self.run = uuid.uuid4().hex[:6]
         self.counter = 0
@@ -113,23 +123,24 @@ class Bench:
         self.counter += 1
         body = _body(self.counter, self.run, stream)
         session = f"bench-{self.run}-{self.counter}"
-        if path == "direct":
-            return self.engine, {**body, "session_id": session, "request_id": f"{session}/llm-0"}, {}
-        return self.gateway, body, {"Authorization": f"Bearer {self.key}", SESSION_HEADER: session}
+        engine, gateway = self.targets[path.removeprefix("direct").removeprefix("gateway")]
+        if path.startswith("direct"):
+            return engine, {**body, "session_id": session, "request_id": f"{session}/llm-0"}, {}
+        return gateway, body, {"Authorization": f"Bearer {self.key}", SESSION_HEADER: session}
 
     async def latency(self, http: aiohttp.ClientSession, n: int, stream: bool) -> dict[str, list[float]]:
-        out: dict[str, list[float]] = {"direct": [], "gateway": []}
+        out: dict[str, list[float]] = {path: [] for path in self.paths}
         for start in range(0, n, BLOCK):
-            for path in ("direct", "gateway"):
+            for path in self.paths:
                 for _ in range(min(BLOCK, n - start)):
                     out[path].append(await _one(http, *self.request(path, stream)))
         return out
 
     async def tool_latency(self, http: aiohttp.ClientSession, n: int) -> dict[str, list[float]]:
         """The request after a tool call: it carries the tool's result."""
-        out: dict[str, list[float]] = {"direct": [], "gateway": []}
+        out: dict[str, list[float]] = {path: [] for path in self.paths}
         for start in range(0, n, BLOCK):
-            for path in ("direct", "gateway"):
+            for path in self.paths:
                 for _ in range(min(BLOCK, n - start)):
                     url, body, headers = self.request(path, False)
                     asked = {**body, "tools": [ECHO], "tool_choice": {"type": "function", "function": {"name": "echo"}}}
@@ -137,7 +148,7 @@ class Bench:
                         message = (await response.json())["choices"][0]["message"]
                     result = {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "echoed"}
                     follow = {**asked, "messages": [*asked["messages"], message, result], "tool_choice": "none"}
-                    if path == "direct":
+                    if path.startswith("direct"):
                         follow["request_id"] = f"{body['session_id']}/llm-2"
                     out[path].append(await _one(http, url, follow, headers))
         return out
@@ -164,11 +175,11 @@ class Bench:
             rounds = []
             for stream in (False, True):
                 latencies = await self.latency(http, n, stream)
-                for path in ("direct", "gateway"):
+                for path in self.paths:
                     rps = await self.throughput(http, path, n, stream, clients)
                     rounds.append(Round(path, stream, latencies[path], rps))
             tool = await self.tool_latency(http, max(BLOCK, n // 4))
-            rounds += [Round(path, False, tool[path], float("nan"), "tool result") for path in ("direct", "gateway")]
+            rounds += [Round(path, False, tool[path], float("nan"), "tool result") for path in self.paths]
             return rounds
 
 
@@ -191,13 +202,14 @@ def table(rounds: list[Round]) -> str:
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     by = {(r.path, r.mode): r for r in rounds}
+    labels = list(dict.fromkeys(r.path.removeprefix("direct").removeprefix("gateway") for r in rounds))
     for mode in ("plain", "stream", "tool result"):
-        direct = by[("direct", mode)]
-        for path in ("direct", "gateway"):
+        for path in [f"{kind}{label}" for label in labels for kind in ("direct", "gateway")]:
             r = by[(path, mode)]
+            direct = by[(path.replace("gateway", "direct", 1), mode)]
             added = (
                 (f"{r.percentile(50) - direct.percentile(50):.2f}", f"{r.percentile(99) - direct.percentile(99):.2f}")
-                if path == "gateway"
+                if path.startswith("gateway")
                 else ("", "")
             )
             rps = "" if r.throughput_rps != r.throughput_rps else f"{r.throughput_rps:.0f}"  # NaN: not measured
@@ -208,29 +220,46 @@ def table(rounds: list[Round]) -> str:
     return "\n".join(lines)
 
 
-def run_on(log_url: str, args: argparse.Namespace) -> tuple[list[Round], float, float]:
-    """The rounds of one log (a stack of its own, in a fresh namespace) and its append floor."""
+def _stack(log_url: str, work: Path, key: str, args: argparse.Namespace, code: Path | None) -> Stack:
+    """A stack in a fresh namespace; ``code``: the checkout its processes import (None: this one)."""
     namespace = f"bench{uuid.uuid4().hex[:8]}"
-    key = uuid.uuid4().hex
-    limit = str(10 * args.requests)
     env = {"AGENTLOG_NAMESPACE": namespace, "AGENTLOG_GATEWAY_API_KEYS": key, "AGENTLOG_LOG_LEVEL": "WARNING"}
-    with tempfile.TemporaryDirectory() as work:
-        stack = Stack(
-            log_url,
-            Path(work),
-            time_scale=0.0,
-            extra_env=env,
-            gateway=True,
-            gateway_args=["--max-requests-per-minute", limit],
-        )
-        ensure_topics(log_url, namespace=namespace)
-        with stack:
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
+    ensure_topics(log_url, namespace=namespace)
+    return Stack(
+        log_url,
+        work,
+        time_scale=0.0,
+        extra_env=env,
+        gateway=True,
+        gateway_args=["--max-requests-per-minute", str(10 * args.requests)],
+    )
+
+
+def run_on(log_url: str, args: argparse.Namespace) -> tuple[list[Round], float, float]:
+    """The rounds of one log (a stack of its own, in a fresh namespace; with ``--baseline``, one
+    more of that checkout's code, its paths alternating with this one's) and its append floor."""
+    key = uuid.uuid4().hex
+    with tempfile.TemporaryDirectory() as work, contextlib.ExitStack() as running:
+        stacks = {"": _stack(log_url, Path(work) / "this", key, args, None)}
+        if args.baseline is not None:
+            stacks[BASELINE] = _stack(log_url, Path(work) / "baseline", key, args, args.baseline)
+        for label, stack in stacks.items():
+            # ``python -m`` puts the working directory first on the path: the baseline's processes
+            # start in its checkout (then PYTHONPATH, then this checkout's installed packages).
+            here = Path.cwd()
+            os.chdir(args.baseline if label else here)
+            try:
+                running.enter_context(stack)
+            finally:
+                os.chdir(here)
             _wait_for(stack.gateway_url.removesuffix("/v1") + "/health")
-            rounds = asyncio.run(Bench(stack.engine_url, stack.gateway_url, key).all_rounds(
-                args.requests, args.concurrency, args.warmup))  # fmt: skip
-            floor_namespace = f"bench{uuid.uuid4().hex[:8]}"
-            ensure_topics(log_url, namespace=floor_namespace)
-            append_p50, append_p99 = asyncio.run(append_latency(log_url, floor_namespace, args.requests))
+        targets = {label: (stack.engine_url, stack.gateway_url) for label, stack in stacks.items()}
+        rounds = asyncio.run(Bench(targets, key).all_rounds(args.requests, args.concurrency, args.warmup))
+        floor_namespace = f"bench{uuid.uuid4().hex[:8]}"
+        ensure_topics(log_url, namespace=floor_namespace)
+        append_p50, append_p99 = asyncio.run(append_latency(log_url, floor_namespace, args.requests))
     return rounds, append_p50, append_p99
 
 
@@ -246,6 +275,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=40)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another checkout (e.g. git worktree add --detach DIR main): its stack runs beside this one's "
+        "and their requests alternate, for before/after in one run",
+    )
     args = parser.parse_args(argv)
     if not args.bootstrap:
         parser.error("needs a Kafka broker: --bootstrap HOST:PORT or KAFKA_BOOTSTRAP_SERVERS")
