@@ -3,7 +3,12 @@
 Run::
 
     python -m bench.gateway [--bootstrap HOST:PORT] [--pg-url URL] [--requests 400] [--concurrency 16]
-                            [--json FILE]
+                            [--json FILE] [--baseline CHECKOUT]
+
+With ``--baseline`` (another checkout of agentlog, e.g. ``git worktree add --detach DIR main``),
+a second stack runs that checkout's code beside this one's, in a namespace of its own, and
+every round alternates over both stacks' paths (rows ``direct (baseline)``, ``gateway
+(baseline)``): before and after a change in one run, at the same load.
 
 It starts a stack on Kafka (``--bootstrap``, default ``KAFKA_BOOTSTRAP_SERVERS``; a fresh
 namespace per run), then another on Postgres (``--pg-url``, default ``AGENTLOG_PG_URL``; skipped
@@ -22,7 +27,8 @@ for plain and streamed chat completions, side by side in one run:
   model's next answer; through the gateway it appends a ``GatewayToolResultReported`` besides
   the answer's record (alongside the engine call, so not on its path).
 
-Direct and gateway rounds alternate in blocks of 20 so that drift on a shared machine hits both.
+Direct and gateway rounds alternate in blocks of 20 (every other block in reverse order) so that
+drift on a shared machine hits both.
 Added latency is gateway minus direct, per percentile. The gateway's share is one durable
 append (``GatewayLLMCallServed``; ``acks=all`` on Kafka, a commit on Postgres) per request,
 plus parsing and re-encoding: the header line gives that append's own p50/p99
@@ -128,10 +134,15 @@ class Bench:
             return engine, {**body, "session_id": session, "request_id": f"{session}/llm-0"}, {}
         return gateway, body, {"Authorization": f"Bearer {self.key}", SESSION_HEADER: session}
 
+    def _order(self, start: int) -> list[str]:
+        """The paths of the block starting at request ``start``: every other block in reverse, so that
+        no path always follows another's (whose stack is still busy with its last requests)."""
+        return self.paths if (start // BLOCK) % 2 == 0 else self.paths[::-1]
+
     async def latency(self, http: aiohttp.ClientSession, n: int, stream: bool) -> dict[str, list[float]]:
         out: dict[str, list[float]] = {path: [] for path in self.paths}
         for start in range(0, n, BLOCK):
-            for path in self.paths:
+            for path in self._order(start):
                 for _ in range(min(BLOCK, n - start)):
                     out[path].append(await _one(http, *self.request(path, stream)))
         return out
@@ -140,7 +151,7 @@ class Bench:
         """The request after a tool call: it carries the tool's result."""
         out: dict[str, list[float]] = {path: [] for path in self.paths}
         for start in range(0, n, BLOCK):
-            for path in self.paths:
+            for path in self._order(start):
                 for _ in range(min(BLOCK, n - start)):
                     url, body, headers = self.request(path, False)
                     asked = {**body, "tools": [ECHO], "tool_choice": {"type": "function", "function": {"name": "echo"}}}
