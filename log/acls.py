@@ -116,8 +116,10 @@ ROLES: tuple[Role, ...] = (
     Role("engine-bridge", (_KV_DECISIONS, _KV_EVENTS), group_prefixes=("engine-bridge",)),
     # The OpenAI-compatible gateway (workers/gateway) writes only agent.gateway and reads the
     # verdicts on the tool calls it proxies, and the actions to know which sessions are not its
-    # own (docs/architecture.md, "The gateway").
-    Role("gateway", (_GATEWAY, _VERDICTS, _ACTIONS), groups=("gateway",)),
+    # own (docs/architecture.md, "The gateway"). kv.events and kv.decisions: with several engines it
+    # routes as the planner does (workers/cache_view.py, by scan, no consumer group): what each engine
+    # still holds of a session's prefix and what the cache manager discarded.
+    Role("gateway", (_GATEWAY, _VERDICTS, _ACTIONS, _KV_DECISIONS, _KV_EVENTS), groups=("gateway",)),
     # ``logctl projector rebuild`` reads in a group of its own (``projector-rebuild-<id>``).
     Role("projector", ALL_TOPICS, groups=("projector",), group_prefixes=("projector-",)),
     Role("operator", ALL_TOPICS, group_prefixes=("operator", LOGCTL_GROUP_PREFIX)),

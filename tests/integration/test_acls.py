@@ -147,12 +147,16 @@ def test_write_acls_follow_topic_owners_and_reads_follow_the_workers() -> None:
 
     from workers.decider import DeciderWorker
     from workers.executor import ExecutorWorker
+    from workers.gateway import GatewayWorker
     from workers.planner import PlannerWorker
 
-    for worker in (PlannerWorker, DeciderWorker, ExecutorWorker):
+    for worker in (PlannerWorker, DeciderWorker, ExecutorWorker, GatewayWorker):
         role = BY_PRINCIPAL[worker.role]
         assert set(worker.topics) <= set(role.reads), worker.role
         assert worker.role in role.groups
+    # Both routers scan the engines' kv.events and the cache manager's kv.decisions (workers/cache_view.py).
+    for principal in ("planner", "gateway"):
+        assert {"kv.events", "kv.decisions"} <= set(BY_PRINCIPAL[principal].reads), principal
 
 
 def test_acls_on_the_broker_are_the_desired_ones_and_apply_is_idempotent(ns: str, admin: Any) -> None:
