@@ -15,7 +15,9 @@ to the engine and writes only ``agent.gateway`` (docs/architecture.md, "The gate
   after adopting every call (``adopt``), and the gateway refuses later requests.
 
 With several engines the gateway routes each completion (``services.routing``, the planner's
-router): ``held_prefix`` says where the session's last recorded call ran, ``size_for_model``
+router): ``locate_served`` says where the session's prefix is (the planner's
+``services.placement`` rules: its last recorded call's engine, corrected by the engines'
+``kv.events`` and the cache manager's ``kv.decisions``), ``size_for_model``
 which model size the client's model is, and each decision is recorded as
 ``GatewayEngineRouted`` (``route_claim``) in the same append as the call's
 ``GatewayLLMCallServed``; ``adopt`` copies it onto agent.actions as the session's
@@ -39,6 +41,7 @@ from typing import Any
 from schemas import events as ev
 from schemas.events import EffectClass
 from services.decide import Append
+from services.placement import Holding, Located, locate_context
 from services.routing import SIZES, SizeChoice
 from services.session import GATEWAY_PROGRAM, SessionState, SessionStatus, ToolStatus, llm_call_id, step_of
 from services.tools import ToolSpec, idempotency_key
@@ -51,7 +54,9 @@ __all__ = [
     "adopt_results",
     "adoption_problems",
     "estimate_tokens",
-    "held_prefix",
+    "context_of",
+    "last_served",
+    "locate_served",
     "prompt_estimate",
     "route_claim",
     "size_for_model",
@@ -242,24 +247,39 @@ def adopt(state: SessionState, tools: Mapping[str, ToolSpec]) -> list[Append]:
     return out
 
 
-def held_prefix(calls: Iterable[ev.GatewayLLMCallServed]) -> dict[str, int]:
-    """Engine id -> tokens of the session's context that engine is believed to hold: the engine of
-    the session's last recorded call (by step), holding that call's prompt and output (what the
-    router's locality rule needs; as ``services.placement.prefix_on`` for a planner session). Only
-    the last engine counts: a session that moved left stale blocks behind, which the cache manager
-    discards. Empty before the session's first call."""
-    last = max(calls, key=lambda s: step_of(s.call_id), default=None)
+def last_served(calls: Iterable[ev.GatewayLLMCallServed]) -> ev.GatewayLLMCallServed | None:
+    """The session's last recorded call (by step); None before its first."""
+    return max(calls, key=lambda s: step_of(s.call_id), default=None)
+
+
+def context_of(served: ev.GatewayLLMCallServed | None) -> int:
+    """Tokens of context a recorded call leaves on its engine: its prompt and its output (0: none)."""
+    return 0 if served is None else served.prompt_tokens + served.output_tokens
+
+
+def locate_served(
+    calls: Iterable[ev.GatewayLLMCallServed],
+    dropped: Iterable[str] = (),
+    holdings: Mapping[str, Holding] | None = None,
+) -> Located:
+    """Where a gateway session's prefix is: ``services.placement.locate``'s rules (the planner's),
+    fed by the gateway's own records instead of a ``SessionState``: the engine of the session's
+    last recorded call holds that call's context, unless the engines' ``kv.events``
+    (``holdings``) say what it kept and what other engines still hold, or the cache manager
+    discarded it there since (``dropped``). Empty before the session's first call."""
+    last = last_served(calls)
     if last is None:
-        return {}
-    return {last.engine_id: last.prompt_tokens + last.output_tokens}
+        return Located({})
+    return locate_context(last.call_id, last.engine_id, context_of(last), dropped, holdings)
 
 
-def prompt_estimate(messages: Sequence[Mapping[str, Any]], held: Mapping[str, int]) -> int:
+def prompt_estimate(messages: Sequence[Mapping[str, Any]], context: int) -> int:
     """The prompt tokens of a request before any engine has counted them (the gateway has no
     tokenizer): characters / 4 of its messages, and at least the context the session's last call
-    left (a conversation only grows, and the prefix held must not look larger than the prompt)."""
+    left (``context_of``: a conversation only grows, and the prefix held must not look larger
+    than the prompt)."""
     text = json.dumps([m.get("content") for m in messages], separators=(",", ":"), default=str)
-    return max(estimate_tokens(text), max(held.values(), default=0))
+    return max(estimate_tokens(text), context)
 
 
 def size_for_model(model: str, served_by: Mapping[str, Iterable[str]], available: Iterable[str]) -> SizeChoice:

@@ -35,7 +35,17 @@ from typing import Any
 from schemas import events as ev
 from services.session import LLMCall, SessionState, SessionStatus, ToolStatus, step_of
 
-__all__ = ["Holding", "Located", "context_tokens", "last_call", "learn", "locate", "prefix_on", "routed"]
+__all__ = [
+    "Holding",
+    "Located",
+    "context_tokens",
+    "last_call",
+    "learn",
+    "locate",
+    "locate_context",
+    "prefix_on",
+    "routed",
+]
 
 
 def last_call(state: SessionState) -> LLMCall | None:
@@ -90,13 +100,26 @@ def locate(state: SessionState, dropped: Iterable[str] = (), holdings: Mapping[s
     call = last_call(state)
     if call is None or call.completed is None:
         return Located({})
-    cap = context_tokens(call)
-    last = call.completed.engine_id
+    return locate_context(call.call_id, call.completed.engine_id, context_tokens(call), dropped, holdings)
+
+
+def locate_context(
+    call_id: str,
+    engine_id: str,
+    context: int,
+    dropped: Iterable[str] = (),
+    holdings: Mapping[str, Holding] | None = None,
+) -> Located:
+    """``locate`` from the last completed call's id, engine and context tokens alone: the rules for
+    any reader that knows a session's last call without a ``SessionState`` (the gateway, from its
+    own records: ``services.gateway.locate_served``), so that both route by the same rules."""
+    cap = context
+    last = engine_id
     holdings = holdings or {}
     cached: dict[str, int] = {}
     notes: list[str] = []
     for engine, holding in sorted(holdings.items()):
-        if engine == last and not _reported(holding, call.call_id):
+        if engine == last and not _reported(holding, call_id):
             continue  # the engine's events of the last call are not in yet: the log's belief stands
         tokens = min(max(holding.held_tokens, 0), cap)
         if engine == last and tokens < cap:
@@ -105,7 +128,7 @@ def locate(state: SessionState, dropped: Iterable[str] = (), holdings: Mapping[s
             notes.append(f"kv.events: {engine} still holds {tokens} tokens of its context")
         if tokens:
             cached[engine] = tokens
-    if last not in holdings or not _reported(holdings[last], call.call_id):
+    if last not in holdings or not _reported(holdings[last], call_id):
         cached[last] = cap
     for engine in set(dropped):
         if cached.pop(engine, None):

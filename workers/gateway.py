@@ -31,15 +31,21 @@ For each completion the gateway
 **Several engines** (``--engine ID=URL[,size=..,model=..]`` repeated, or ``AGENTLOG_ENGINES``, as
 for the planner; ``workers/engines/pool.py``): each completion is routed by the planner's router
 (``--router``, default ``locality``, ``services.routing``): the session's next call goes to the
-engine where its last recorded call ran (``services.gateway.held_prefix``) unless that engine's
-queue (the prompt tokens of this gateway's requests in flight there) makes recomputing elsewhere
-cheaper. The decision is recorded as ``GatewayEngineRouted``, appended with the call's
-``GatewayLLMCallServed`` (one durable wait per request, as before); the planner adopts it as the
-session's ``EngineRouted``. An engine that cannot be reached (connection refused or dropped before
-it answered) is marked down for ``--engine-down-s`` and the same request (same ``request_id``) is
-routed again (attempt + 1, reason ``failover``) to another engine, which computes it once; a stream
-fails over only while nothing of it has reached the client. With only ``--engine-url`` (the default)
-nothing is routed and nothing of this is appended.
+engine that holds its prefix unless that engine's queue (the prompt tokens of this gateway's
+requests in flight there) makes recomputing elsewhere cheaper. Where the prefix is follows the
+planner's rules (``services.gateway.locate_served``, ``services.placement``) with the planner's
+views (``workers/cache_view.py``): the engine of its last recorded call, unless the engines'
+``kv.events`` say it evicted some or all of it (or another engine still holds some) or the cache
+manager's ``kv.decisions`` discarded it there; what they changed is in the route's detail. The
+first read of kv.events runs in the background (routes go by the records alone until it has caught
+up), and a view that cannot be read never fails a request. The decision is recorded as
+``GatewayEngineRouted``, appended with the call's ``GatewayLLMCallServed`` (one durable wait per
+request, as before); the planner adopts it as the session's ``EngineRouted``. An engine that
+cannot be reached (connection refused or dropped before it answered) is marked down for
+``--engine-down-s`` and the same request (same ``request_id``) is routed again (attempt + 1,
+reason ``failover``) to another engine, which computes it once; a stream fails over only while
+nothing of it has reached the client. With only ``--engine-url`` (the default) nothing is routed
+and nothing of this is appended.
 
 A session ends with ``GatewaySessionEnded`` (the planner records its ``SessionFinished``):
 when no request of it arrived for ``--idle-timeout-s`` and none is in flight
@@ -50,7 +56,8 @@ from the log): a finished session stays finished, so the client starts another s
 
 The gateway writes only agent.gateway and reads agent.gateway (its journal: steps,
 idempotency, released calls), agent.verdicts and agent.actions (only to refuse, with 409
-``session_not_external``, a session id the planner runs a program for). It serves once it has read all three to
+``session_not_external``, a session id the planner runs a program for), and with several engines
+kv.events and kv.decisions (by scan, for routing: ``_locate``). It serves once it has read all three to
 their end. The journal is read once, at start (``_read_journal``), and not consumed after: the gateway is its
 only writer and folds each record it appends itself, once durable (``_append``); a poll would only hand its own
 records back (decoded and verified again, about a third of its CPU). Requests of one session are served one at
@@ -89,10 +96,12 @@ from schemas import events as ev
 from services.gateway import (
     GatewayToolCall,
     RateLimiter,
+    context_of,
     estimate_tokens,
-    held_prefix,
     idle_sessions,
+    last_served,
     llm_step_id,
+    locate_served,
     prompt_digest,
     prompt_estimate,
     refusal_text,
@@ -103,10 +112,11 @@ from services.gateway import (
     size_for_model,
     tool_calls_of,
 )
-from services.placement import routed
+from services.placement import Located, routed
 from services.routing import ROUTERS, CallRequest, make_router
 from services.scheduling import CallPriority, ProgramProgress, SchedulingConfig, prioritize
 from services.session import GATEWAY_PROGRAM, step_of, tool_call_id
+from workers.cache_view import CacheDecisions, KVEvents
 from workers.config import SCHEDULING_MODES, scheduling_config
 from workers.engines.pool import EnginePool, parse_engines
 from workers.worker import EventIds, Worker
@@ -236,8 +246,13 @@ class GatewayWorker(Worker):
         self.pool = pool  # None: the one engine of engine_url, nothing routed
         self.router_name = router
         self.router = make_router(router)
+        self.cache_view: CacheDecisions | None = None
+        self.kv_view: KVEvents | None = None
         if pool is not None:
             engine_id, engine_url = pool.specs[0].engine_id, pool.specs[0].url
+            # Where a session's prefix is, as the planner knows it (workers/cache_view.py).
+            self.cache_view = CacheDecisions(log)
+            self.kv_view = KVEvents(log)
         self.engine_url = engine_url.rstrip("/")
         self.engine_id = engine_id
         self.served_by: dict[str, set[str]] = {}
@@ -355,6 +370,8 @@ class GatewayWorker(Worker):
             _log.warning("gateway: no API keys configured, every client is let in")
         await self._read_journal()
         self.set_boundaries({t: await self.log.end_offsets(t) for t in self.topics})
+        if self.kv_view is not None:  # the first read of kv.events runs in the background, as the planner's
+            await self.kv_view.refresh()
 
     async def _read_journal(self) -> None:
         """Fold every record of agent.gateway, verified as a consumer verifies it (a record that fails
@@ -388,6 +405,8 @@ class GatewayWorker(Worker):
         return ("sim",)
 
     async def closed(self) -> None:
+        if self.kv_view is not None:
+            await self.kv_view.aclose()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -709,17 +728,17 @@ class GatewayWorker(Worker):
             progress = progress.after_tool(gap_ms)
         return prioritize(self.log.clock().timestamp(), progress, config=self.scheduling)
 
-    def _route(self, session: GatewaySession, body: dict[str, Any], step: int, failed: str | None = None) -> str:
+    async def _route(self, session: GatewaySession, body: dict[str, Any], step: int, failed: str | None = None) -> str:
         """The engine for the call's next attempt: the one engine, or the router's choice over the pool
         (``EnginePool.choose``, as the planner routes), kept in ``session.routes`` to be recorded
         with the call. ``failed``: the engine the previous attempt could not reach (a failover)."""
         if self.pool is None:
             return self.engine_id
+        located = await self._locate(session)
         now = time.monotonic()
-        held = held_prefix(session.calls.values())
         size = size_for_model(str(body["model"]), self.served_by, self.pool.sizes(now))
-        prompt = prompt_estimate(body["messages"], held)
-        call = CallRequest(session.session_id, prompt, held, size=size.size)
+        prompt = prompt_estimate(body["messages"], context_of(last_served(session.calls.values())))
+        call = CallRequest(session.session_id, prompt, located.cached, size=size.size)
         chosen, failed = self.pool.choose(self.router, call, now, failed=failed)
         call_id = llm_step_id(step)
         route = routed(
@@ -729,13 +748,39 @@ class GatewayWorker(Worker):
             route=chosen,
             router=self.router_name,
             prompt_tokens=prompt,
-            cached=held,
+            cached=located.cached,
             size=size,
             failed_engine_id=failed,
             reason="failover" if failed else None,
+            notes=located.notes,
         )
         session.routes.append(route_claim(route))
         return chosen.engine_id
+
+    async def _locate(self, session: GatewaySession) -> Located:
+        """Where the session's prefix is (``services.gateway.locate_served``, the planner's rules): its
+        last recorded call's engine, what the engines' ``kv.events`` say each still holds of it (the
+        engines name the gateway's session: it forwards ``session_id``), and the engines where the
+        cache manager discarded it since that call's record. A view that cannot be read leaves the
+        route to what is known: routing never fails because of them."""
+        assert self.pool is not None
+        if self.kv_view is not None:
+            await self.kv_view.refresh()  # logs and goes on when kv.events cannot be read
+        last = last_served(session.calls.values())
+        if last is None:
+            return Located({})
+        sid = session.session_id
+        engine_ids = [s.engine_id for s in self.pool.specs]
+        holdings = {} if self.kv_view is None else self.kv_view.holding(sid, engine_ids)
+        dropped: list[str] = []
+        if self.cache_view is not None:
+            try:
+                await self.cache_view.refresh(self.log.partition_for(sid))
+            except Exception as e:  # tried again after refresh_s; what was read still counts
+                _log.error("gateway: reading kv.decisions failed (%s); routing by what was read so far", e)
+            since = session.served_at.get(last.call_id)
+            dropped = [e for e in engine_ids if self.cache_view.dropped(sid, e, since)]
+        return locate_served(session.calls.values(), dropped, holdings)
 
     def _url(self, engine_id: str) -> str:
         return self.pool.url(engine_id) if self.pool is not None else self.engine_url
@@ -755,7 +800,9 @@ class GatewayWorker(Worker):
         if reached:
             self.pool.mark_up(engine_id)
 
-    def _failover(self, session: GatewaySession, body: dict[str, Any], step: int, asked: str, error: Exception) -> str:
+    async def _failover(
+        self, session: GatewaySession, body: dict[str, Any], step: int, asked: str, error: Exception
+    ) -> str:
         """Mark ``asked`` down and route the request again: to an engine not marked down, or, when
         every other one is, to one of them as if up (the marks are only guesses), each engine tried
         at most once per request; a 502 when none is left."""
@@ -765,7 +812,7 @@ class GatewayWorker(Worker):
             others_up = any(i.healthy for i in self.pool.infos(now, exclude=[asked]))
             if others_up or len(session.routes) < len(self.pool.specs):
                 _log.warning("gateway: engine %s unreachable (%s); %s fails over", asked, type(error).__name__, step)
-                return self._route(session, body, step, failed=asked)
+                return await self._route(session, body, step, failed=asked)
         raise RequestError(
             502, f"The engine failed: {type(error).__name__}", type_="server_error", code="engine_error"
         ) from None
@@ -775,7 +822,7 @@ class GatewayWorker(Worker):
         payload = self._engine_body(session.session_id, {**body, "stream": False}, step)
         began = time.monotonic()
         self.num_engine_requests += 1
-        engine_id = self._route(session, body, step)
+        engine_id = await self._route(session, body, step)
         while True:
             asked, tokens, reached = engine_id, self._engine_begin(session, engine_id), False
             try:
@@ -786,7 +833,7 @@ class GatewayWorker(Worker):
                         raise _engine_error(r.status, answer)
                 break
             except _UNREACHABLE as e:  # nothing reached the client: another engine, the same request id
-                engine_id = self._failover(session, body, step, asked, e)
+                engine_id = await self._failover(session, body, step, asked, e)
             except (aiohttp.ClientError, OSError, ValueError) as e:
                 raise RequestError(
                     502, f"The engine failed: {type(e).__name__}", type_="server_error", code="engine_error"
@@ -993,7 +1040,7 @@ class GatewayWorker(Worker):
         began = time.monotonic()
         self.num_engine_requests += 1
         response: web.StreamResponse | None = None
-        engine_id = self._route(session, body, step)
+        engine_id = await self._route(session, body, step)
         while True:
             asked, tokens, reached = engine_id, self._engine_begin(session, engine_id), False
             text: list[str] = []
@@ -1043,7 +1090,7 @@ class GatewayWorker(Worker):
                 if response is not None:
                     raise  # the client has part of the answer: it re-sends, and the request is routed again
                 try:
-                    engine_id = self._failover(session, body, step, asked, e)
+                    engine_id = await self._failover(session, body, step, asked, e)
                 except RequestError as refused:
                     return refused.response()
             except (aiohttp.ClientError, OSError, ValueError) as e:

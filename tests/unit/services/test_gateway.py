@@ -17,8 +17,10 @@ from services.gateway import (
     adopt,
     adopt_results,
     adoption_problems,
-    held_prefix,
+    context_of,
     idle_sessions,
+    last_served,
+    locate_served,
     next_step,
     prompt_estimate,
     refusal_text,
@@ -28,7 +30,7 @@ from services.gateway import (
     route_claim,
     size_for_model,
 )
-from services.placement import routed
+from services.placement import Holding, Located, locate_context, routed
 from services.routing import Route, SizeChoice
 from services.session import GATEWAY_PROGRAM, SessionState, SessionStatus, ToolStatus
 from services.tools import TOOLS
@@ -286,15 +288,35 @@ def test_the_gateways_routes_are_adopted_as_engine_routed_before_the_calls_llm_c
 
 
 def test_the_prefix_is_held_where_the_sessions_last_recorded_call_ran() -> None:
-    assert held_prefix([]) == {}
+    assert locate_served([]) == Located({})
     calls = [served(2, engine_id="sim-0"), served(0, engine_id="sim-1", prompt_tokens=5, output_tokens=1)]
-    assert held_prefix(calls) == {"sim-0": 13}, "the latest step's engine, its prompt and output"
+    assert last_served(calls) == calls[0] and context_of(calls[0]) == 13 and context_of(None) == 0
+    assert locate_served(calls) == Located({"sim-0": 13}), "the latest step's engine, its prompt and output"
+
+
+def test_a_gateway_sessions_prefix_follows_the_planners_rules_for_kv_events_and_decisions() -> None:
+    calls = [served(0, prompt_tokens=300, output_tokens=20), served(2, prompt_tokens=400, output_tokens=8)]
+    # The engine evicted part of it under pressure (its events include the last call): what it kept.
+    kept = locate_served(calls, holdings={"sim-0": Holding(240, "llm-2")})
+    assert kept == Located({"sim-0": 240}, ("kv.events: sim-0 kept 240 of its 408 context tokens",))
+    # Evicted all of it: nothing held anywhere, said so.
+    gone = locate_served(calls, holdings={"sim-0": Holding(0, "llm-2")})
+    assert gone == Located({}, ("kv.events: sim-0 kept 0 of its 408 context tokens",))
+    # The engine's events of the last call are not in yet: the records' belief stands.
+    assert locate_served(calls, holdings={"sim-0": Holding(96, "llm-0")}).cached == {"sim-0": 408}
+    # Another engine still holds an older prefix; the cache manager discarded it on the last one.
+    moved = locate_served(calls, dropped=["sim-0"], holdings={"sim-1": Holding(160, "llm-0")})
+    assert moved.cached == {"sim-1": 160}
+    assert moved.notes == ("kv.events: sim-1 still holds 160 tokens of its context", "kv.decisions: discarded on sim-0")
+    # Exactly what the planner's locate says of the same last call (one set of rules).
+    holdings = {"sim-0": Holding(240, "llm-2"), "sim-1": Holding(160, "llm-0")}
+    assert locate_served(calls, ["sim-1"], holdings) == locate_context("llm-2", "sim-0", 408, ["sim-1"], holdings)
 
 
 def test_a_prompt_is_estimated_and_never_smaller_than_the_context_held() -> None:
     messages = [{"role": "user", "content": "x" * 400}]
-    assert prompt_estimate(messages, {}) == 101  # ["xxx..."]: 404 characters / 4, rounded up
-    assert prompt_estimate(messages, {"sim-0": 500}) == 500
+    assert prompt_estimate(messages, 0) == 101  # ["xxx..."]: 404 characters / 4, rounded up
+    assert prompt_estimate(messages, 500) == 500
 
 
 def test_the_size_is_the_one_of_the_engines_serving_the_clients_model_else_large() -> None:
