@@ -7,6 +7,10 @@ official ``openai`` client: two sim engines, planner, decider, executor and ``wo
 - failover: with one engine SIGKILLed, the next call of a session it served goes to the other engine
   (the same request id, a second route with reason ``failover``), is answered, computed there once, and
   its prefix stays there; a streamed call fails over too;
+- eviction: when the engine evicts part or all of a gateway session's blocks in its gap (an unrouted call
+  straight to it pushes them out, LRU), the engine's ``kv.events`` (which name the gateway's session: it
+  forwards ``session_id``) reach the gateway, and its next route expects what the engine kept, as the
+  planner's would (``services.placement``), says so in its detail, and the engine serves exactly that;
 - ``logctl audit --routes`` shows the gateway sessions' routes (adopted by the planner as ``EngineRouted``).
 """
 
@@ -40,11 +44,21 @@ WORDS = " ".join(f"word{i}" for i in range(300))  # a long first prompt: a prefi
 
 
 class RoutedGateway:
-    def __init__(self, kafka: str, namespace: str, work: Path) -> None:
+    def __init__(
+        self, kafka: str, namespace: str, work: Path, engine_args: list[str] | None = None, cache_manager: bool = False
+    ) -> None:
         self.log_url = f"kafka://{kafka}"
         self.namespace = namespace
         env = {"AGENTLOG_NAMESPACE": namespace, "AGENTLOG_GATEWAY_API_KEYS": API_KEY, "AGENTLOG_ENGINE_DOWN_S": "60"}
-        self.stack = Stack(self.log_url, work, extra_env=env, gateway=True, num_engines=2)
+        self.stack = Stack(
+            self.log_url,
+            work,
+            extra_env=env,
+            gateway=True,
+            num_engines=2,
+            engine_args=list(engine_args or []),
+            cache_manager=cache_manager,  # the engine bridges: the engines' kv.events into the log
+        )
 
     def start(self) -> None:
         ensure_topics(self.log_url, namespace=self.namespace)
@@ -253,3 +267,105 @@ def test_the_planner_adopts_the_gateways_routes_before_each_llm_call_started(gat
 
     kinds = [k for k in asyncio.run(read()) if k in (ev.EngineRouted, ev.LLMCallStarted)]
     assert kinds == [ev.EngineRouted, ev.LLMCallStarted] * 2, kinds
+
+
+def _kv_removed(gateway: RoutedGateway, session_id: str, engine_id: str) -> int:
+    """Blocks ``kv.events`` says the engine removed of the session so far."""
+
+    async def read() -> int:
+        count = 0
+        async with open_log(gateway.log_url, actor="auditor", namespace=gateway.namespace) as log:
+            for partition, end in (await log.end_offsets("kv.events")).items():
+                async for record in log.scan("kv.events", partition, 0, end):
+                    envelope = log.decode(record)
+                    body = envelope.body
+                    if isinstance(body, ev.KVBlocksRemoved) and envelope.session_id == session_id:
+                        count += len(body.block_hashes) if body.engine_id == engine_id else 0
+        return count
+
+    return asyncio.run(read())
+
+
+def _pressure(gateway: RoutedGateway, index: int, num_blocks: int) -> None:
+    """One call straight to engine ``index`` (no gateway, no route) that takes ``num_blocks`` blocks of
+    16 tokens (its prompt and its one output token): they push the LRU's blocks out."""
+    body = {
+        "request_id": f"pressure-{uuid.uuid4().hex[:8]}",
+        "session_id": f"pressure-{uuid.uuid4().hex[:8]}",
+        "prompt_runs": [[987_654, 16 * num_blocks - 1]],
+        "max_tokens": 1,
+    }
+    request = urllib.request.Request(
+        f"{gateway.stack.url_of(index)}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+
+
+@pytest.mark.parametrize("evict", ["part", "all"])
+def test_an_engines_eviction_in_a_gateway_sessions_gap_shows_in_its_next_route(
+    evict: str, kafka_bootstrap: str, namespace: str, tmp_path: Path
+) -> None:
+    gateway = RoutedGateway(
+        kafka_bootstrap, namespace, tmp_path, engine_args=["--gpu-blocks", "64"], cache_manager=True
+    )
+    gateway.start()
+    try:
+        c = Conversation(gateway, f"ev{evict}")
+        c.say("")
+        (first,) = gateway.routes(c.session, 1)
+        home = first["engine_id"]
+        index = int(home.rsplit("-", 1)[1])
+        served = first["cached_tokens"], first["prompt_tokens"]
+        context = _context(gateway, c.session)
+        # 64 blocks of 16 tokens: the call's full blocks stay cached, the rest of the cache is free, ahead
+        # of them in the LRU queue (its tail first). Taking the free ones and k more evicts its last k.
+        full = context // 16
+        prompt_blocks = _prompt_tokens(gateway, c.session) // 16
+        k = full - prompt_blocks // 2 if evict == "part" else full  # "part": it keeps half its prompt's blocks
+        _pressure(gateway, index, 64 - full + k if evict == "part" else 64)
+        deadline = time.monotonic() + 15
+        while (evicted := _kv_removed(gateway, c.session, home)) < k:  # the engine's bridge polls it
+            assert time.monotonic() < deadline, (evicted, k, served, gateway.tails())
+            time.sleep(0.2)
+        assert evicted == k, (evicted, k)
+        time.sleep(0.6)  # the gateway reads kv.events at most every 0.5 s
+        c.say("and then?")
+        second = gateway.routes(c.session, 2)[1]
+    finally:
+        gateway.stack.stop()
+    kept = 16 * (full - k)
+    # The route expected what the engine then served from its cache (its records alone would have
+    # expected the whole context back on its engine), and says why.
+    assert second["expected_cached_tokens"] == c.cached[1] == second["cached_tokens"] == kept, (second, c.cached)
+    assert f"kv.events: {home} kept {kept} of its {context} context tokens" in second["detail"], second
+    if evict == "part":
+        assert 0 < kept < context and second["engine_id"] == home and second["reason"] == "locality", second
+    else:
+        assert kept == 0 and second["reason"] == "least_loaded", second
+        assert "no engine holds its prefix" in second["detail"], second
+
+
+def _served_calls(gateway: RoutedGateway, session_id: str) -> list[ev.GatewayLLMCallServed]:
+    async def read() -> list[ev.GatewayLLMCallServed]:
+        out = []
+        async with open_log(gateway.log_url, actor="auditor", namespace=gateway.namespace) as log:
+            for partition, end in (await log.end_offsets("agent.gateway")).items():
+                async for record in log.scan("agent.gateway", partition, 0, end):
+                    envelope = log.decode(record)
+                    if envelope.session_id == session_id and isinstance(envelope.body, ev.GatewayLLMCallServed):
+                        out.append(envelope.body)
+        return out
+
+    return asyncio.run(read())
+
+
+def _context(gateway: RoutedGateway, session_id: str) -> int:
+    """The context the session's (one) recorded call left on its engine: its prompt and its output."""
+    (served,) = _served_calls(gateway, session_id)
+    return served.prompt_tokens + served.output_tokens
+
+
+def _prompt_tokens(gateway: RoutedGateway, session_id: str) -> int:
+    (served,) = _served_calls(gateway, session_id)
+    return served.prompt_tokens
