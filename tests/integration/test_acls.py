@@ -290,6 +290,28 @@ def test_auditor_reads_every_topic_and_writes_none(secure_kafka: SecureKafka, ns
     assert end_offsets(secure_kafka, ns) == before
 
 
+def test_the_gateway_reads_kv_events_and_decisions_as_the_planners_views_do(secure_kafka: SecureKafka, ns: str) -> None:
+    """The gateway routes by the planner's views (workers/cache_view.py: scans, no group): its principal
+    reads both topics; one without the READ (the decider) reads nothing, and no error comes out of the view."""
+    from workers.cache_view import CacheDecisions, KVEvents
+
+    async def main() -> None:
+        await _seed_one_event_per_topic(secure_kafka, ns)
+        async with SharedLog(backend(secure_kafka, ns, "gateway"), actor="gateway") as log:
+            kv, decisions = KVEvents(log), CacheDecisions(log)
+            await kv.wait_caught_up()
+            assert kv.caught_up and kv.num_events == 1
+            await decisions.refresh(log.partition_for("s-kv.decisions"))
+            assert len(decisions._latest) == 1
+        async with SharedLog(backend(secure_kafka, ns, "decider"), actor="decider") as log:
+            kv = KVEvents(log)
+            await kv.wait_caught_up()  # refused: logged, not raised
+            await kv.refresh()
+            assert kv.num_events == 0 and kv.holding("s-kv.events", ["sim-0"]) == {}
+
+    asyncio.run(main())
+
+
 def test_planner_appends_to_actions_and_consumes_as_its_group(secure_kafka: SecureKafka, ns: str, admin: Any) -> None:
     async def main() -> None:
         async with SharedLog(backend(secure_kafka, ns, "planner"), actor="planner") as log:
