@@ -11,11 +11,13 @@ another test) and discards its sessions' blocks when done.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from workers.engines.vllm.server import VllmServer, VllmServerConfig, default_py
 
 TINY_MODEL = repo_root() / ".cache" / "tiny-llama"
 NUM_GPU_BLOCKS = 48
+STATE_WAIT_S = 60.0  # the longest a state change may take to show (vLLM on 2 loaded cores)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,32 @@ def vllm() -> Iterator[Vllm]:
         _unavailable(f"no tiny model: run {default_python()} scripts/make_tiny_model.py")
     run_dir = Path(tempfile.mkdtemp(prefix="agentlog-vllm-"))
     config = VllmServerConfig(model=str(TINY_MODEL), run_dir=run_dir, num_gpu_blocks=NUM_GPU_BLOCKS)
+    with VllmServer(config).start() as server:
+        cfg = server.config
+        yield Vllm(cfg.url, cfg.served_model_name, cfg.kv_events, cfg.kv_replay, cfg.control)
+
+
+@pytest.fixture(scope="session")
+def dev_vllm() -> Iterator[Vllm]:
+    """A second server, the tests' own, for tests that must hold the engine still: vLLM's
+    development endpoints (``VLLM_SERVER_DEV_MODE=1``: ``/pause?mode=keep`` schedules nothing until
+    ``/resume``, and requests sent meanwhile wait in its queue), ``--scheduling-policy priority``
+    and ``--max-num-seqs 1`` (one request runs at a time: the order queued requests complete in is
+    the order vLLM admitted them). Holding the engine is what makes a test independent of the
+    machine's load: a call that is held cannot end before the test has done what it races."""
+    if not Path(default_python()).exists():
+        _unavailable("no vLLM virtualenv: run scripts/install_vllm.sh")
+    if not (TINY_MODEL / "model.safetensors").exists():
+        _unavailable(f"no tiny model: run {default_python()} scripts/make_tiny_model.py")
+    run_dir = Path(tempfile.mkdtemp(prefix="agentlog-vllm-dev-"))
+    config = VllmServerConfig(
+        model=str(TINY_MODEL),
+        run_dir=run_dir,
+        num_gpu_blocks=NUM_GPU_BLOCKS,
+        scheduling_policy="priority",
+        extra_args=["--max-num-seqs", "1"],
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
     with VllmServer(config).start() as server:
         cfg = server.config
         yield Vllm(cfg.url, cfg.served_model_name, cfg.kv_events, cfg.kv_replay, cfg.control)
@@ -108,6 +137,29 @@ class VllmClient:
 
     async def status(self) -> dict[str, Any]:
         return await self.control.call("status")
+
+    async def until(self, what: str, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        """Poll the scheduler's status until ``done`` says so (a state decides, never a sleep)."""
+        deadline = time.monotonic() + STATE_WAIT_S
+        while True:
+            status = await self.status()
+            if done(status):
+                return status
+            assert time.monotonic() < deadline, f"{what}: not after {STATE_WAIT_S:g} s; vLLM's state: {status}"
+            await asyncio.sleep(0.02)
+
+    async def pause(self) -> None:
+        """``dev_vllm`` only: vLLM schedules nothing until ``resume`` and requests sent meanwhile wait
+        in its queue. (A request running when it pauses goes back to the waiting queue, so a running
+        "blocker" would hold nothing: the pause is what holds the engine.)"""
+        await self._dev("/pause?mode=keep")
+
+    async def resume(self) -> None:
+        await self._dev("/resume")
+
+    async def _dev(self, path: str) -> None:
+        async with self.http.post(f"{self.vllm.url}{path}") as response:
+            assert response.status == 200, await response.text()
 
     async def churn(self, rounds: float = 2.0) -> None:
         """Other sessions' calls that cycle the whole KV pool ``rounds`` times (LRU evicts all unpinned)."""

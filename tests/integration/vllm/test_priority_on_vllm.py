@@ -1,7 +1,7 @@
 """vLLM's ``--scheduling-policy priority`` serves agentlog's priorities: what the engine does with them.
 
-Its own server (not the shared one, which runs ``fcfs``: a pin test of the scheduler wants that),
-started with the priority policy, ``--max-num-seqs 1`` (one request runs at a time, so the order
+On the ``dev_vllm`` server (conftest; not the shared one, which runs ``fcfs``), started with the
+priority policy, ``--max-num-seqs 1`` (one request runs at a time, so the order
 in which queued requests complete is the order vLLM admitted them) and vLLM's development
 endpoints (``VLLM_SERVER_DEV_MODE=1``: ``/pause`` and ``/resume``).
 
@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -35,76 +32,31 @@ from log import open_log
 from schemas import events as ev
 from services.programs.base import Prompt, TokenRun
 from services.scheduling import SchedulingConfig
-from tests.integration.vllm.conftest import TINY_MODEL, Vllm, _unavailable
+from tests.integration.vllm.conftest import Vllm, VllmClient
 from workers.engines.vllm.control import ControlClient
-from workers.engines.vllm.server import VllmServer, VllmServerConfig, default_python
 from workers.engines.vllm_http import VllmEngine
 from workers.gateway import GatewayWorker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-NUM_GPU_BLOCKS = 48  # of 32 tokens: one call (32 blocks) at a time
-STATE_WAIT_S = 60.0  # the longest a state change may take to show (vLLM on 2 loaded cores)
 
-
-@pytest.fixture(scope="module")
-def prio_vllm() -> Iterator[Vllm]:
-    """A vLLM server of this module's own, on a port of its own, stopped when the module ends."""
-    if not Path(default_python()).exists():
-        _unavailable("no vLLM virtualenv: run scripts/install_vllm.sh")
-    if not (TINY_MODEL / "model.safetensors").exists():
-        _unavailable(f"no tiny model: run {default_python()} scripts/make_tiny_model.py")
-    run_dir = Path(tempfile.mkdtemp(prefix="agentlog-vllm-prio-"))
-    config = VllmServerConfig(
-        model=str(TINY_MODEL),
-        run_dir=run_dir,
-        num_gpu_blocks=NUM_GPU_BLOCKS,
-        scheduling_policy="priority",
-        extra_args=["--max-num-seqs", "1"],
-        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
-    )
-    with VllmServer(config).start() as server:
-        cfg = server.config
-        yield Vllm(cfg.url, cfg.served_model_name, cfg.kv_events, cfg.kv_replay, cfg.control)
-
-
-class Queue:
+class Queue(VllmClient):
     """A held engine, calls queued behind it in a known order, and the order vLLM serves them."""
 
     def __init__(self, vllm: Vllm, http: aiohttp.ClientSession, control: ControlClient) -> None:
-        self.vllm = vllm
-        self.http = http
-        self.control = control
+        super().__init__(vllm, http, control)
         self.tag = uuid.uuid4().hex[:8]
         self.tasks: list[asyncio.Task[None]] = []
-        self.sessions: dict[str, str] = {}  # call name -> session id
+        self.named: dict[str, str] = {}  # call name -> session id
         self.finished: list[str] = []
 
     def session(self, name: str) -> str:
-        return self.sessions.setdefault(name, f"prio-{name}-{self.tag}")
-
-    async def status(self) -> dict[str, Any]:
-        return await self.control.call("status")
-
-    async def until(self, what: str, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-        """Poll the scheduler's state until ``done`` (a state, never a sleep, decides)."""
-        deadline = time.monotonic() + STATE_WAIT_S
-        while True:
-            status = await self.status()
-            if done(status):
-                return status
-            assert time.monotonic() < deadline, f"{what}: not after {STATE_WAIT_S:g} s; vLLM's state: {status}"
-            await asyncio.sleep(0.02)
-
-    async def dev(self, path: str) -> None:
-        async with self.http.post(f"{self.vllm.url}{path}") as response:
-            assert response.status == 200, await response.text()
+        session = self.named.setdefault(name, f"prio-{name}-{self.tag}")
+        self.sessions.add(session)
+        return session
 
     async def hold(self) -> None:
-        """Pause vLLM (``mode=keep``): it schedules nothing until resumed, and requests sent meanwhile
-        wait in its queue. (A request running when it pauses goes back to the waiting queue, so a
-        running "blocker" would hold nothing: the pause is what holds the engine.)"""
-        await self.dev("/pause?mode=keep")
+        await self.pause()
         status = await self.status()
         assert status["running"] == [] and status["waiting"] == [], f"vLLM is not idle: {status}"
 
@@ -121,23 +73,23 @@ class Queue:
 
     async def waiting(self) -> list[tuple[str, int]]:
         """The calls in vLLM's waiting queue and their priorities, in the order it will admit them."""
-        names = {s: n for n, s in self.sessions.items()}
+        names = {s: n for n, s in self.named.items()}
         status = await self.status()
         assert status["running"] == [], f"something ran while vLLM was paused: {status}"
         return [(names[session], priority) for session, priority in status["waiting"]]
 
     async def release(self) -> list[str]:
         """Resume vLLM; the order the calls complete in."""
-        await self.dev("/resume")
+        await self.resume()
         await asyncio.gather(*self.tasks)
         return self.finished
 
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):
-            await self.dev("/resume")  # a failed test must not leave the module's server paused
+            await self.resume()  # a failed test must not leave the shared server paused
         for task in self.tasks:
             task.cancel()
-        for session in self.sessions.values():
+        for session in self.sessions:
             await self.control.call("discard", session=session)
 
 
@@ -158,9 +110,9 @@ def run(vllm: Vllm, scenario: Callable[[Queue], Awaitable[Any]]) -> Any:
     return asyncio.run(main())
 
 
-def test_queued_requests_are_served_lowest_priority_first(prio_vllm: Vllm) -> None:
+def test_queued_requests_are_served_lowest_priority_first(dev_vllm: Vllm) -> None:
     """Through the planner's engine client (``VllmEngine``, which sends vLLM's ``priority`` field)."""
-    engine = VllmEngine(prio_vllm.url, engine_id="vllm-prio", model=prio_vllm.model, vocab_size=4096)
+    engine = VllmEngine(dev_vllm.url, engine_id="vllm-prio", model=dev_vllm.model, vocab_size=4096)
 
     async def ask(session: str, priority: int | None) -> None:
         completion = await engine.complete(
@@ -180,7 +132,7 @@ def test_queued_requests_are_served_lowest_priority_first(prio_vllm: Vllm) -> No
         finally:
             await engine.close()
 
-    queued, served = run(prio_vllm, scenario)
+    queued, served = run(dev_vllm, scenario)
     # No priority is vLLM's default, 0: it ties with p0 and, sent first, goes first.
     assert queued == [("neg", -5), ("none", 0), ("p0", 0), ("p30", 30), ("p40", 40), ("p50", 50)]
     assert served == [name for name, _ in queued]
@@ -200,7 +152,7 @@ class Clock:
         return self.now
 
 
-def test_the_gateways_priorities_bound_a_heavy_programs_wait_on_vllm(prio_vllm: Vllm) -> None:
+def test_the_gateways_priorities_bound_a_heavy_programs_wait_on_vllm(dev_vllm: Vllm) -> None:
     """Bounded wait on the real engine path: the gateway (``GatewayWorker`` with the policy above)
     stamps each engine request's priority from the log's clock and the session's recorded calls
     (``services.scheduling.prioritize``, as the planner does) and sends it to vLLM. A program that
@@ -214,7 +166,7 @@ def test_the_gateways_priorities_bound_a_heavy_programs_wait_on_vllm(prio_vllm: 
 
     async def scenario(q: Queue) -> tuple[list[tuple[str, int]], list[str], dict[str, int | None]]:
         log = open_log(f"memory:prio-{q.tag}", actor="gateway", clock=clock)  # the gateway reads only its clock
-        gateway = GatewayWorker(log, engine_url=prio_vllm.url, engine_id="vllm-prio", scheduling=WINDOW)
+        gateway = GatewayWorker(log, engine_url=dev_vllm.url, engine_id="vllm-prio", scheduling=WINDOW)
         heavy = ev.GatewayLLMCallServed.model_construct(call_id="llm-0", queue_ms=0.0, prefill_ms=20e3, decode_ms=30e3)
         gateway.session(q.session("heavy")).calls["llm-0"] = heavy  # a recorded call: 50 s attained
         async with aiohttp.ClientSession() as http:
@@ -222,7 +174,7 @@ def test_the_gateways_priorities_bound_a_heavy_programs_wait_on_vllm(prio_vllm: 
 
             async def ask(session: str) -> None:
                 body = {
-                    "model": prio_vllm.model,
+                    "model": dev_vllm.model,
                     "messages": [{"role": "user", "content": f"{session} " + " ".join(["word"] * 200)}],
                     "max_tokens": 1,
                     "temperature": 0,
@@ -237,7 +189,7 @@ def test_the_gateways_priorities_bound_a_heavy_programs_wait_on_vllm(prio_vllm: 
             sent = {name: gateway.session(q.session(name)).ranked for name in ready}
             return queued, served, {n: r.priority if r else None for n, r in sent.items()}
 
-    queued, served, sent = run(prio_vllm, scenario)
+    queued, served, sent = run(dev_vllm, scenario)
     ms = {name: round(at.timestamp() * 1000) for name, at in ready.items()}
     new = [f"new{i}" for i in range(6)]
     assert sent == {"heavy": ms["heavy"] + 300, **{n: ms[n] for n in new}}  # what the gateway stamped and records
