@@ -26,13 +26,16 @@ planner the whole topic once, as the cache manager reads it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import heapq
 import logging
 import time
 from datetime import datetime
 
 from log import SharedLog
 from log.topics import KV_DECISIONS, KV_EVENTS
+from schemas.envelope import Envelope
 from schemas.events import CacheAction, CacheDecisionMade
 from services.holdings import KVHoldings
 from services.placement import Holding
@@ -41,6 +44,9 @@ from services.scheduling import preserved_until
 __all__ = ["CacheDecisions", "KVEvents"]
 
 _log = logging.getLogger(__name__)
+
+_PAGE = 1000
+"""kv.events records read from a partition at a time while merging the partitions."""
 
 
 class CacheDecisions:
@@ -79,6 +85,16 @@ class CacheDecisions:
         or ``PREFETCH`` whose TTL runs): the warm credit of its priority (services/scheduling.py)."""
         return self._preserved.get(session_id, float("-inf")) > now_s
 
+    async def dropped_on(self, session_id: str, engine_ids: list[str], since: datetime | None) -> list[str]:
+        """The engines where the manager discarded the session's blocks after ``since``, read fresh
+        (``refresh`` of its partition). A read that fails (the broker away, no READ on the topic)
+        is logged and leaves what was read so far: routing never fails for kv.decisions."""
+        try:
+            await self.refresh(self.log.partition_for(session_id))
+        except Exception as e:  # tried again after refresh_s
+            _log.error("reading kv.decisions failed (%s); routing by what was read so far", e)
+        return [e for e in engine_ids if self.dropped(session_id, e, since)]
+
     def dropped(self, session_id: str, engine_id: str, since: datetime | None) -> bool:
         """Whether the manager's latest decision for the session on that engine, made after
         ``since`` (its last call's completion), discarded its blocks there."""
@@ -111,7 +127,8 @@ class KVEvents:
 
     @property
     def caught_up(self) -> bool:
-        return self._catch_up is not None and self._catch_up.done() and not self._catch_up.cancelled()
+        task = self._catch_up
+        return task is not None and task.done() and not task.cancelled() and task.exception() is None
 
     async def refresh(self) -> None:
         """Read what is new (module docstring). A read that fails (the broker away, no READ on the
@@ -145,19 +162,46 @@ class KVEvents:
             await asyncio.wait([self._catch_up])
 
     async def _read(self) -> None:
+        """Fold what is new in every partition, merged in the order the engines reported it.
+
+        One engine's events are spread over partitions (a block evicted is reported for the
+        fork that held it last, a clear for ``engine/<id>``), and ``KVHoldings`` is not
+        commutative: a removal or a clear folded before the store it follows is lost, and the
+        store then counts blocks the engine no longer has. So the partitions are merged by
+        ``occurred_at`` (the bridge stamps each record with its engine batch's time), a page of
+        each at a time (memory: a page per partition, not the topic's history). Records of one
+        batch share a time and keep their partition's order."""
         async with self._lock:
-            for partition, end in sorted((await self.log.end_offsets(KV_EVENTS.name)).items()):
-                start = self._next.get(partition, 0)
-                if start >= end:
-                    continue  # nothing new there
-                async for record in self.log.scan(KV_EVENTS.name, partition, start, end):
-                    try:
-                        envelope = self.log.decode(record)
-                    except Exception:  # a bad record goes to the DLQ, by the consumers that own it
-                        continue
-                    self.holdings.apply(envelope.session_id, envelope.body)
-                    self.num_events += 1
-                self._next[partition] = end
+            pages: dict[int, collections.deque[Envelope]] = {}
+            ends = {
+                p: end for p, end in (await self.log.end_offsets(KV_EVENTS.name)).items() if end > self._next.get(p, 0)
+            }
+            heads: list[tuple[datetime, int]] = []  # (time of the partition's next record, partition)
+            for partition in sorted(ends):
+                if await self._next_page(partition, ends[partition], pages):
+                    heads.append((pages[partition][0].occurred_at, partition))
+            heapq.heapify(heads)
+            while heads:
+                _, partition = heapq.heappop(heads)
+                envelope = pages[partition].popleft()
+                self.holdings.apply(envelope.session_id, envelope.body)
+                self.num_events += 1
+                if pages[partition] or await self._next_page(partition, ends[partition], pages):
+                    heapq.heappush(heads, (pages[partition][0].occurred_at, partition))
+
+    async def _next_page(self, partition: int, end: int, pages: dict[int, collections.deque[Envelope]]) -> bool:
+        """Read the partition's next page (``_next`` moves past it); False once it is read to ``end``."""
+        page = pages.setdefault(partition, collections.deque())
+        while not page and self._next.get(partition, 0) < end:
+            start = self._next.get(partition, 0)
+            stop = min(end, start + _PAGE)
+            async for record in self.log.scan(KV_EVENTS.name, partition, start, stop):
+                try:
+                    page.append(self.log.decode(record))
+                except Exception:  # a bad record goes to the DLQ, by the consumers that own it
+                    continue
+            self._next[partition] = stop
+        return bool(page)
 
     def holding(self, session_id: str, engine_ids: list[str]) -> dict[str, Holding]:
         """Per engine whose events named the session: what it holds of it (nothing before the catch-up)."""

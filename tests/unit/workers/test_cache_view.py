@@ -9,7 +9,15 @@ import pytest
 
 from log import SharedLog
 from log.memory_backend import MemoryBackend
-from schemas.events import CacheAction, CacheDecisionMade, KVBlocksRemoved, KVBlocksStored, KVCacheHit, KVTier
+from schemas.events import (
+    CacheAction,
+    CacheDecisionMade,
+    KVAllBlocksCleared,
+    KVBlocksRemoved,
+    KVBlocksStored,
+    KVCacheHit,
+    KVTier,
+)
 from services.placement import Holding
 from workers.cache_view import CacheDecisions, KVEvents
 
@@ -147,3 +155,51 @@ def test_a_failed_kv_events_read_is_logged_and_tried_again_and_routing_goes_on(
         asyncio.run(run())
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["reading kv.events failed"] * 2
     assert "TOPIC_AUTHORIZATION_FAILED" in caplog.records[0].getMessage()
+
+
+def test_kv_events_are_folded_in_the_order_the_engine_reported_them_whatever_their_partitions() -> None:
+    """A removal reported for a fork, or an engine's clear, in a partition read before the store it
+    follows: folded partition by partition, the store came last and counted blocks the engine had
+    evicted (every planner or gateway start reads the whole topic in one pass)."""
+
+    def stored(hashes: list[str], parent: str | None = None) -> KVBlocksStored:
+        return KVBlocksStored(
+            engine_id="e0", block_hashes=hashes, parent_block_hash=parent, num_tokens=16 * len(hashes),
+            block_size=16, tier=KVTier.GPU,
+        )  # fmt: skip
+
+    async def run() -> None:
+        now = [T0]
+        log = SharedLog(MemoryBackend(), actor="engine-bridge", clock=lambda: now[0])
+        await log.backend.start()
+        await log.backend.create_topics(4)
+        await log.start()
+        parent = next(f"p{i}" for i in range(100) if log.partition_for(f"p{i}") == 3)
+        fork = next(f"f{i}" for i in range(100) if log.partition_for(f"f{i}") == 0)
+        other = next(f"o{i}" for i in range(100) if log.partition_for(f"o{i}") == 2)
+        engine = next(f"engine/e{i}" for i in range(100) if log.partition_for(f"engine/e{i}") == 1)
+        await log.append(parent, stored(["a", "b"]))
+        now[0] += timedelta(seconds=1)
+        await log.append(fork, stored(["x"], parent="b"))
+        now[0] += timedelta(seconds=1)
+        await log.append(fork, KVBlocksRemoved(engine_id="e0", block_hashes=["a", "b", "x"], tier=KVTier.GPU))
+        view = KVEvents(log, refresh_s=0.0)
+        await view.wait_caught_up()
+        assert view.holding(parent, ["e0"]) == {"e0": Holding(0, None)}
+        assert view.holding(fork, ["e0"]) == {"e0": Holding(0, None)}
+        await log.append(other, stored(["c", "d"]))
+        now[0] += timedelta(seconds=1)
+        await log.append(engine, KVAllBlocksCleared(engine_id="e0"))
+        now[0] += timedelta(seconds=1)
+        await log.append(other, stored(["e"], parent="d"))  # after the clear: its start is gone
+        await view.refresh()
+        fresh = KVEvents(log, refresh_s=0.0)
+        await fresh.wait_caught_up()
+        for v in (view, fresh):
+            assert v.num_events == 6
+            assert v.holding(other, ["e0"]) == {"e0": Holding(0, None)}
+            assert v.holding(parent, ["e0"]) == {} and v.holding(fork, ["e0"]) == {}  # the clear forgot them
+        await view.aclose()
+        await fresh.aclose()
+
+    asyncio.run(run())
