@@ -130,7 +130,7 @@ def locate_context(
             cached[engine] = tokens
     if last not in holdings or not _reported(holdings[last], call_id):
         cached[last] = cap
-    for engine in set(dropped):
+    for engine in dict.fromkeys(dropped):  # in the order given: the notes are the same every run
         if cached.pop(engine, None):
             notes.append(f"kv.decisions: discarded on {engine}")
     return Located(cached, tuple(notes))

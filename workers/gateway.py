@@ -772,14 +772,11 @@ class GatewayWorker(Worker):
         sid = session.session_id
         engine_ids = [s.engine_id for s in self.pool.specs]
         holdings = {} if self.kv_view is None else self.kv_view.holding(sid, engine_ids)
-        dropped: list[str] = []
-        if self.cache_view is not None:
-            try:
-                await self.cache_view.refresh(self.log.partition_for(sid))
-            except Exception as e:  # tried again after refresh_s; what was read still counts
-                _log.error("gateway: reading kv.decisions failed (%s); routing by what was read so far", e)
-            since = session.served_at.get(last.call_id)
-            dropped = [e for e in engine_ids if self.cache_view.dropped(sid, e, since)]
+        dropped = (
+            []
+            if self.cache_view is None
+            else await self.cache_view.dropped_on(sid, engine_ids, session.served_at.get(last.call_id))
+        )
         return locate_served(session.calls.values(), dropped, holdings)
 
     def _url(self, engine_id: str) -> str:

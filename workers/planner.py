@@ -612,10 +612,9 @@ class PlannerWorker(SessionWorker):
         owner = call.origin or state.session_id
         engine_ids = [s.engine_id for s in self.pool.specs]
         holdings = {} if self.kv_view is None else self.kv_view.holding(owner, engine_ids)
-        dropped: list[str] = []
-        if self.cache_view is not None:
-            await self.cache_view.refresh(self.log.partition_for(owner))
-            dropped = [e for e in engine_ids if self.cache_view.dropped(owner, e, call.completed_at)]
+        dropped = (
+            [] if self.cache_view is None else await self.cache_view.dropped_on(owner, engine_ids, call.completed_at)
+        )
         return locate(state, dropped, holdings)
 
     def _learn(self, state: SessionState) -> None:
