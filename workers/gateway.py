@@ -660,19 +660,19 @@ class GatewayWorker(Worker):
         and the session's next request waits for them before it looks at what was reported."""
         if (previous := session.results_landed) is not None:
             await asyncio.gather(previous, return_exceptions=True)  # failed: reported again now
-        session.results_landed = None
+        session.results_landed, session.reporting = None, []
         if reports := self._tool_reports(session, messages):
             session.reporting = reports
             session.results_landed = self.spawn(self._record_results(session, reports))
 
     async def _record_results(self, session: GatewaySession, reports: list[ev.GatewayToolResultReported]) -> None:
+        """Append the reports (``session.reporting`` keeps them until they are durable: ``_record``
+        appends them again if this fails)."""
         sid, at = session.session_id, self.log.clock()
-        try:
-            await self.log.append_many(
-                [Draft(sid, r, self.event_ids(sid, "reported", r.call_id), None, at) for r in reports]
-            )
-        finally:
-            session.reporting = []
+        await self.log.append_many(
+            [Draft(sid, r, self.event_ids(sid, "reported", r.call_id), None, at) for r in reports]
+        )
+        session.reporting = []
         for reported in reports:
             self._fold(sid, reported, at)  # once durable
 
@@ -851,8 +851,18 @@ class GatewayWorker(Worker):
         *,
         stream: bool,
     ) -> ev.GatewayLLMCallServed:
-        if session.results_landed is not None:
-            await session.results_landed  # the request's tool results land first, durable before its answer
+        if (landing := session.results_landed) is not None:
+            try:
+                await landing  # the request's tool results land first, durable before its answer
+            except Exception as e:
+                # The engine has answered: append them again now rather than fail the request, whose
+                # re-send would have the engine compute the call again. (Event ids are deterministic:
+                # a batch that landed after all is not appended twice.)
+                _log.warning(
+                    "gateway: %s's tool results did not land (%s); appending them again", session.session_id, e
+                )
+                session.results_landed = None
+                await self._record_results(session, session.reporting)
         ranked, session.ranked = session.ranked, None
         choice = (answer.get("choices") or [{}])[0]
         message = choice.get("message") or {}

@@ -192,6 +192,50 @@ def test_a_restarted_gateway_knows_what_the_first_knew_and_answers_resent_reques
     asyncio.run(scenario())
 
 
+def test_tool_results_whose_append_fails_are_appended_again_with_the_answer_not_recomputed(
+    log_url: str, namespace: str, engine_url: str
+) -> None:
+    """The results' batch is appended while the engine call runs; if it fails (a broker error on
+    that batch alone), the answer must not be lost with it: a 500 would have the client re-send,
+    and the engine compute the call again."""
+
+    async def scenario() -> None:
+        await init_log(log_url, 2, namespace=namespace)
+        asked = {"messages": [{"role": "user", "content": "Echo hi."}], "tools": [ECHO], "tool_choice": USE_ECHO}
+        async with (
+            aiohttp.ClientSession() as http,
+            open_log(log_url, actor="decider", namespace=namespace) as decider,
+            Running(log_url, namespace, engine_url) as gateway,
+        ):
+            url = f"http://127.0.0.1:{gateway.port}/v1/chat/completions"
+            calling = asyncio.ensure_future(post(http, url, "s-tool", asked))
+            await asyncio.sleep(0.5)
+            await append_verdict(decider, "s-tool", "tool-1")
+            called, _ = await calling
+            assert isinstance(called, dict)
+            tool_call = called["choices"][0]["message"]["tool_calls"][0]
+            result = {"role": "tool", "tool_call_id": tool_call["id"], "content": "hi"}
+            followed = {"messages": [*asked["messages"], called["choices"][0]["message"], result]}
+            real, failed = gateway.log.append_many, []
+
+            async def fail_the_results_once(drafts: Any) -> Any:
+                if not failed and any(isinstance(d.body, ev.GatewayToolResultReported) for d in drafts):
+                    failed.append(drafts)
+                    raise RuntimeError("broker away")
+                return await real(drafts)
+
+            gateway.log.append_many = fail_the_results_once  # type: ignore[method-assign]
+            _, headers = await post(http, url, "s-tool", followed)
+            assert failed and headers["X-Agentlog-Replayed"] == "false"
+            assert gateway.num_engine_requests == 2 and gateway.sessions["s-tool"].reported == {"tool-1"}
+            _, headers = await post(http, url, "s-tool", followed)  # a re-send: from the log
+            assert headers["X-Agentlog-Replayed"] == "true" and gateway.num_engine_requests == 2
+            kinds = [type(e.body).__name__ for e in await journal_of(decider) if e.session_id == "s-tool"]
+            assert kinds == ["GatewayLLMCallServed", "GatewayToolResultReported", "GatewayLLMCallServed"]
+
+    asyncio.run(scenario())
+
+
 async def journal_of(log: SharedLog) -> list[LoggedEvent]:
     """agent.gateway's records, partition by partition (each session's in order)."""
     out = []
