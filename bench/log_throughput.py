@@ -59,7 +59,7 @@ every record batch, in pure Python unless the ``crc32c`` package is installed
 (a dependency of agentlog since the cache manager's throughput work). Without
 it that checksum dominates the raw side's cost on both paths and the ratios are
 near 1; with it the raw client is about 3x faster and agentlog's own per-event
-Python work (Avro, SHA-256, verification) sets the ratios (README, "Log
+Python work (Avro, SHA-256, verification) sets the ratios (docs/benchmarks.md, "Log
 throughput", for the latest numbers on each client).
 """
 
