@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -24,6 +25,23 @@ from workers.cache_view import CacheDecisions, KVEvents
 pytestmark = pytest.mark.unit
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def stored(hashes: list[str], parent: str | None = None) -> KVBlocksStored:
+    """An engine e0's store of blocks of 16 tokens (``parent``: the block they follow)."""
+    return KVBlocksStored(
+        engine_id="e0", block_hashes=hashes, parent_block_hash=parent, num_tokens=16 * len(hashes),
+        block_size=16, tier=KVTier.GPU,
+    )  # fmt: skip
+
+
+async def memory_log(clock: Callable[[], datetime]) -> SharedLog:
+    """A started SharedLog on a memory backend with 4 partitions per topic."""
+    log = SharedLog(MemoryBackend(), actor="engine-bridge", clock=clock)
+    await log.backend.start()
+    await log.backend.create_topics(4)
+    await log.start()
+    return log
 
 
 def decision(action: CacheAction, engine: str) -> CacheDecisionMade:
@@ -64,17 +82,8 @@ def test_a_discard_after_the_last_call_drops_the_prefix_on_that_engine_only() ->
 
 def test_kv_events_are_read_from_every_partition_and_only_new_records_on_a_refresh() -> None:
 
-    def stored(hashes: list[str], parent: str | None = None) -> KVBlocksStored:
-        return KVBlocksStored(
-            engine_id="e0", block_hashes=hashes, parent_block_hash=parent, num_tokens=16 * len(hashes),
-            block_size=16, tier=KVTier.GPU,
-        )  # fmt: skip
-
     async def run() -> None:
-        log = SharedLog(MemoryBackend(), actor="engine-bridge", clock=lambda: T0)
-        await log.backend.start()
-        await log.backend.create_topics(4)
-        await log.start()
+        log = await memory_log(lambda: T0)
         # The parent and its fork in different partitions; the fork's store continues the parent's blocks.
         parent, fork = "p", next(f"f{i}" for i in range(100) if log.partition_for(f"f{i}") != log.partition_for("p"))
         await log.append(parent, stored(["a", "b", "c"]))
@@ -102,10 +111,7 @@ def test_kv_events_are_read_from_every_partition_and_only_new_records_on_a_refre
 def test_the_first_kv_events_read_runs_in_the_background_and_routes_do_not_wait_for_it() -> None:
 
     async def run() -> None:
-        log = SharedLog(MemoryBackend(), actor="engine-bridge", clock=lambda: T0)
-        await log.backend.start()
-        await log.backend.create_topics(4)
-        await log.start()
+        log = await memory_log(lambda: T0)
         for i in range(50):
             body = KVBlocksStored(engine_id="e0", block_hashes=[f"h{i}"], num_tokens=16, block_size=16, tier=KVTier.GPU)
             await log.append(f"s{i}", body)
@@ -127,10 +133,7 @@ def test_a_failed_kv_events_read_is_logged_and_tried_again_and_routing_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def run() -> None:
-        log = SharedLog(MemoryBackend(), actor="engine-bridge", clock=lambda: T0)
-        await log.backend.start()
-        await log.backend.create_topics(4)
-        await log.start()
+        log = await memory_log(lambda: T0)
         body = KVBlocksStored(engine_id="e0", block_hashes=["a"], num_tokens=16, block_size=16, tier=KVTier.GPU)
         await log.append("s", body)
         real = log.end_offsets
@@ -162,18 +165,9 @@ def test_kv_events_are_folded_in_the_order_the_engine_reported_them_whatever_the
     follows: folded partition by partition, the store came last and counted blocks the engine had
     evicted (every planner or gateway start reads the whole topic in one pass)."""
 
-    def stored(hashes: list[str], parent: str | None = None) -> KVBlocksStored:
-        return KVBlocksStored(
-            engine_id="e0", block_hashes=hashes, parent_block_hash=parent, num_tokens=16 * len(hashes),
-            block_size=16, tier=KVTier.GPU,
-        )  # fmt: skip
-
     async def run() -> None:
         now = [T0]
-        log = SharedLog(MemoryBackend(), actor="engine-bridge", clock=lambda: now[0])
-        await log.backend.start()
-        await log.backend.create_topics(4)
-        await log.start()
+        log = await memory_log(lambda: now[0])
         parent = next(f"p{i}" for i in range(100) if log.partition_for(f"p{i}") == 3)
         fork = next(f"f{i}" for i in range(100) if log.partition_for(f"f{i}") == 0)
         other = next(f"o{i}" for i in range(100) if log.partition_for(f"o{i}") == 2)
