@@ -15,6 +15,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from log.types import Position, RawRecord
 
@@ -29,6 +30,19 @@ class OutRecord:
     value: bytes
     seq: int | None = None
     event_id: str | None = None
+
+
+class Membership(Enum):
+    """What a group member knows of its membership, now (``Subscription.membership``)."""
+
+    CONFIRMED = "confirmed"
+    """The group confirmed it recently: no other member can have been given its partitions."""
+    IN_DOUBT = "in_doubt"
+    """Not confirmed for half a session timeout (a broker away, a long pause of this process):
+    the group may be dropping it. The next answer says which."""
+    LOST = "lost"
+    """It must rejoin (a rebalance under way, or the group dropped it): its partitions may be
+    another member's already, though its next poll has not said so yet."""
 
 
 class Subscription(ABC):
@@ -59,6 +73,14 @@ class Subscription(ABC):
         """Read an owned partition from ``offset`` on (call between polls); False if this
         backend cannot, and the caller skips what comes before ``offset`` itself."""
         return False
+
+    def membership(self) -> Membership:
+        """Whether the partitions of ``assignment()`` are surely still this member's. A writer
+        appends to an owned partition only while CONFIRMED: Kafka itself fences no producer, so
+        a member the group dropped without its knowing (its heartbeats lost in a broker outage)
+        would write the chains its successor writes. Backends that refuse a second writer
+        themselves (Postgres, memory) and clients that do not tell (librdkafka) say CONFIRMED."""
+        return Membership.CONFIRMED
 
     @abstractmethod
     async def close(self) -> None:

@@ -44,7 +44,7 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 from log import topics as topic_table
-from log.backend import Backend, Subscription
+from log.backend import Backend, Membership, Subscription
 from log.chain import ChainVerifier
 from log.codec import Codec
 from log.errors import RecordError
@@ -196,6 +196,10 @@ class EventConsumer:
     def assignment(self) -> set[tuple[str, int]]:
         """The (topic, partition) pairs this member owns now."""
         return self._subscription.assignment() if self._subscription else set()
+
+    def membership(self) -> Membership:
+        """Whether this member's partitions are surely still its own (``Subscription.membership``)."""
+        return self._subscription.membership() if self._subscription else Membership.CONFIRMED
 
     def position(self, topic: str, partition: int) -> int:
         """The offset of the next record this consumer will hand out (or dead-letter) in a partition."""

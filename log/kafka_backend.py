@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -26,7 +27,7 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from log import topics as topic_table
-from log.backend import Backend, OutRecord, Subscription
+from log.backend import Backend, Membership, OutRecord, Subscription
 from log.errors import BackendUnavailable
 from log.types import Position, RawRecord
 
@@ -375,6 +376,10 @@ class KafkaGroupMember(Subscription):
             self._consumer = None
 
 
+SESSION_TIMEOUT_MS = 6000
+"""A group member that stops heartbeating loses its partitions after this (the broker's minimum)."""
+
+
 class KafkaSubscription(KafkaGroupMember, ConsumerRebalanceListener):  # type: ignore[misc]
     """A kafka-python group consumer; the broker's group coordinator assigns partitions."""
 
@@ -390,7 +395,7 @@ class KafkaSubscription(KafkaGroupMember, ConsumerRebalanceListener):  # type: i
             group_id=self.backend.physical(self.group),
             group_instance_id=self.instance_id,
             auto_offset_reset="earliest",
-            session_timeout_ms=6000,
+            session_timeout_ms=SESSION_TIMEOUT_MS,
             heartbeat_interval_ms=1000,
         )
         physical = [self.backend.physical(t) for t in self.topics]
@@ -417,6 +422,22 @@ class KafkaSubscription(KafkaGroupMember, ConsumerRebalanceListener):  # type: i
             if new:
                 self._consumer.seek_to_beginning(*new)
         self._held = {(tp.topic, tp.partition) for tp in assigned}
+
+    def membership(self) -> Membership:
+        # Read from kafka-python's coordinator, whose heartbeat runs beside the polling thread:
+        # a heartbeat answered within half the session timeout means the broker cannot have
+        # expired this member yet (its timer started before that answer); an answer that asks
+        # for a rejoin (rebalance, unknown member, fenced) sets ``need_rejoin``.
+        coordinator = getattr(self._consumer, "_coordinator", None)
+        if coordinator is None:
+            return Membership.CONFIRMED
+        if coordinator.need_rejoin() or not coordinator.stable():
+            return Membership.LOST
+        heartbeat = coordinator.heartbeat
+        answered = max(heartbeat.last_receive, heartbeat.last_reset)
+        if time.monotonic() - answered > SESSION_TIMEOUT_MS / 2000:
+            return Membership.IN_DOUBT
+        return Membership.CONFIRMED
 
     async def poll(self, timeout_s: float, max_records: int) -> list[RawRecord]:
         batch = await asyncio.to_thread(self._consumer.poll, int(timeout_s * 1000), max_records)

@@ -23,6 +23,7 @@ import asyncio
 import logging
 
 from log import Draft, DuplicateVerdict, LoggedEvent, RecordError, SharedLog, UnknownSession
+from log.backend import Membership
 from log.consumer import EventConsumer
 from log.snapshots import SnapshotStore
 from schemas.envelope import Envelope
@@ -36,6 +37,9 @@ from workers.worker import SESSION_EVENT_IDS, PartitionMoved, Worker
 __all__ = ["RecoveryCounts", "SessionWorker", "event_id"]
 
 _log = logging.getLogger(__name__)
+
+MEMBERSHIP_POLL_S = 0.05
+"""How often an append waiting for the group's word on this member looks again."""
 
 
 def event_id(session_id: str, kind: str, key: str = "") -> str:
@@ -131,7 +135,7 @@ class SessionWorker(MarkRecovery, Worker):
         session's chain now, and two writers of one chain give it a seq twice (on Kafka, which
         refuses nothing, every reader then sets aside the rest of the chain).
         """
-        self._check_owner(for_session or session_id)
+        await self._confirm_owner(for_session or session_id)
         eid = event_id(session_id, kind, key)
         # The time is read from the log's clock here and stamped on the record, so that our
         # fold and every reader's fold of this event see the same occurred_at.
@@ -151,6 +155,26 @@ class SessionWorker(MarkRecovery, Worker):
                 hash=b"",
             )
         )
+
+    async def _confirm_owner(self, session_id: str) -> None:
+        """``_check_owner``, and that the group still counts this member, whose partitions it
+        could otherwise have given away unbeknown to it (a broker outage swallowed its
+        heartbeats): the successor would write the same chains (``Subscription.membership``).
+        While the group's answer is awaited, the append waits (the heartbeat runs beside this
+        loop); a member that must rejoin gives the work up: the rejoin hands every partition
+        over again, and whoever then owns the session's replays it and does the work."""
+        self._check_owner(session_id)
+        partition = self.log.partition_for(session_id)
+        while self.consumer is not None and partition in self._owned:
+            membership = self.consumer.membership()
+            if membership is Membership.CONFIRMED:
+                return
+            if membership is Membership.LOST:
+                raise PartitionMoved(
+                    f"partition {partition} of session {session_id}: this member must rejoin its group"
+                )
+            await asyncio.sleep(MEMBERSHIP_POLL_S)
+            self._check_owner(session_id)
 
     def _check_owner(self, session_id: str) -> None:
         partition = self.log.partition_for(session_id)
