@@ -40,7 +40,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from log import topics as topic_table
 from log.backend import Backend, OutRecord, Subscription
 from log.errors import BackendUnavailable
-from log.kafka_backend import KafkaCluster, KafkaGroupMember, one_partition_count, topic_configs
+from log.kafka_backend import SESSION_TIMEOUT_MS, KafkaCluster, KafkaGroupMember, one_partition_count, topic_configs
 from log.types import Position, RawRecord
 
 __all__ = ["RdKafkaBackend", "rdkafka_config"]
@@ -377,7 +377,7 @@ class RdKafkaSubscription(KafkaGroupMember):
         config: dict[str, Any] = {
             "group.id": self.backend.physical(self.group),
             "auto.offset.reset": "earliest",
-            "session.timeout.ms": 6000,
+            "session.timeout.ms": SESSION_TIMEOUT_MS,
             "heartbeat.interval.ms": 1000,
         }
         if self.instance_id:
