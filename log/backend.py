@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from enum import Enum
 
@@ -38,7 +39,7 @@ class Membership(Enum):
     CONFIRMED = "confirmed"
     """The group confirmed it recently: no other member can have been given its partitions."""
     IN_DOUBT = "in_doubt"
-    """Not confirmed for half a session timeout (a broker away, a long pause of this process):
+    """Not confirmed for a third of a session timeout (a broker away, a long pause of this process):
     the group may be dropping it. The next answer says which."""
     LOST = "lost"
     """It must rejoin (a rebalance under way, or the group dropped it): its partitions may be
@@ -81,6 +82,13 @@ class Subscription(ABC):
         would write the chains its successor writes. Backends that refuse a second writer
         themselves (Postgres, memory) and clients that do not tell (librdkafka) say CONFIRMED."""
         return Membership.CONFIRMED
+
+    def writing(self) -> AbstractContextManager[object]:
+        """Held by a writer from its last look at ``membership()`` until its records are handed
+        to the producer, and by the member when the group takes its partitions back: records
+        handed over while it is held are flushed before the partitions go (``KafkaSubscription``).
+        Backends that refuse a second writer themselves need no such hold."""
+        return nullcontext()
 
     @abstractmethod
     async def close(self) -> None:

@@ -39,6 +39,7 @@ the writer side depends on the consumer and not the other way round.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Protocol
@@ -200,6 +201,10 @@ class EventConsumer:
     def membership(self) -> Membership:
         """Whether this member's partitions are surely still its own (``Subscription.membership``)."""
         return self._subscription.membership() if self._subscription else Membership.CONFIRMED
+
+    def writing(self) -> AbstractContextManager[object]:
+        """Held while a fenced writer hands records over (``Subscription.writing``)."""
+        return self._subscription.writing() if self._subscription else nullcontext()
 
     def position(self, topic: str, partition: int) -> int:
         """The offset of the next record this consumer will hand out (or dead-letter) in a partition."""

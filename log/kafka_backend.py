@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 from kafka import KafkaConsumer, KafkaProducer
@@ -31,12 +33,28 @@ from log.backend import Backend, Membership, OutRecord, Subscription
 from log.errors import BackendUnavailable
 from log.types import Position, RawRecord
 
+_log = logging.getLogger(__name__)
+
 DLQ_RETENTION_MS = 7 * 24 * 3600 * 1000
 RECONNECT_BACKOFF_MAX_MS = 1000
 """kafka-python's default is 30 s (the Java client's, 1 s): the backoff doubles while the broker
 is down, so a broker back after a 10 s restart was reached again only up to 30 s later (the
 chaos bench measured a median recovery of 36-76 s)."""
 _POLL_BATCH = 2000
+
+SESSION_TIMEOUT_MS = 6000
+"""A group member that stops heartbeating loses its partitions after this (the broker's minimum)."""
+CONFIRMED_FOR_S = SESSION_TIMEOUT_MS / 3000
+"""A member whose last heartbeat was answered this long ago is IN_DOUBT (``membership``)."""
+BOUNDED_REQUEST_TIMEOUT_MS = 1000
+BOUNDED_DELIVERY_TIMEOUT_MS = 1500
+"""A producer with bounded delivery (the session workers': ``bounded_delivery``) reports every
+record landed or failed within this, and never sends it again after: a record handed over
+while its member was CONFIRMED lands, if ever, before the group can have given the partition
+to another member. The group drops a member no sooner than SESSION_TIMEOUT_MS after it last
+heard from it, which was at most CONFIRMED_FOR_S before the record was handed over:
+1.5 s + 2 s < 6 s, with 2.5 s to spare for a heartbeat answer read late on a busy machine
+(docs/reliability.md, "The write fence")."""
 
 
 def security_config() -> dict[str, Any]:
@@ -70,9 +88,13 @@ class _BatchWaiter:
     counted, so nothing is assumed about the order in which they complete.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, topic: str, n: int) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, topic: str, n: int, on_failed: Callable[[], None] = lambda: None
+    ) -> None:
         self.loop = loop
         self.topic = topic
+        self.on_failed = on_failed
+        """Called (on the sender's thread) when the first of the records fails."""
         self.future: asyncio.Future[list[Position]] = loop.create_future()
         self.sends: list[Any] = []  # kafka-python FutureRecordMetadata, in record order
         self.remaining = n
@@ -86,11 +108,15 @@ class _BatchWaiter:
         send.add_both(self._count_down)  # called with the RecordMetadata or the exception
 
     def _count_down(self, outcome: Any) -> None:
+        failed = False
         with self.lock:
             if self.error is None and isinstance(outcome, BaseException):
                 self.error = outcome
+                failed = True
             self.remaining -= 1
             last = self.remaining == 0
+        if failed:
+            self.on_failed()
         if last:
             self.loop.call_soon_threadsafe(self._finish)
 
@@ -158,11 +184,15 @@ class KafkaCluster:
         namespace: str = "",
         client_config: dict[str, Any] | None = None,
         linger_ms: int = 2,
+        bounded_delivery: bool = False,
     ) -> None:
         self.bootstrap = bootstrap
         self.namespace = namespace
         self.client_config = {**security_config(), **(client_config or {})}
         self.linger_ms = linger_ms
+        self.bounded_delivery = bounded_delivery
+        """Report each record landed or failed within BOUNDED_DELIVERY_TIMEOUT_MS (the session
+        workers', whose appends are fenced by their group membership), not the client's 120 s."""
         self._scanners: list[Any] = []  # idle scan consumers, reused
         self._num_partitions: int | None = None
 
@@ -175,11 +205,95 @@ class KafkaCluster:
 
 
 class KafkaBackend(KafkaCluster, Backend):
-    """Topics on a Kafka cluster at ``bootstrap`` (``host:port[,host:port]``)."""
+    """Topics on a Kafka cluster at ``bootstrap`` (``host:port[,host:port]``).
+
+    A producer that failed a record is replaced, never used again. kafka-python's idempotent
+    producer (3.0.12) cannot be trusted after a failure: a batch that expired after it was sent
+    resets the producer id without asking for a new one, and it then sends nothing, ever (the
+    bounded-delivery test hung there); asked to bump its epoch instead, it holds every later
+    record, unexpired, until the broker answers, which breaks the bound the write fence rests
+    on. So the failed producer is force-closed (whatever it still holds fails now and is never
+    sent) and a new one, with a new producer id, takes over; until it is built, ``produce``
+    raises BackendUnavailable, which the session workers retry.
+    """
 
     name = "kafka"
     _producer: Any = None
     _closed = False
+    _replacing: threading.Thread | None = None
+    """Closes the producer that failed a record and builds the next one."""
+    _discarded: Any = None
+    """The last producer that failed a record (force-closed)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._swap = threading.Lock()
+
+    def _delivery_config(self) -> dict[str, int]:
+        if not self.bounded_delivery:
+            return {}
+        return {"request_timeout_ms": BOUNDED_REQUEST_TIMEOUT_MS, "delivery_timeout_ms": BOUNDED_DELIVERY_TIMEOUT_MS}
+
+    def settle_sends(self) -> None:
+        """Block until every record handed to the producer landed or failed (bounded delivery
+        only: it is what lets a member give its partitions up safely; see KafkaSubscription)."""
+        if not self.bounded_delivery:
+            return
+        if (discarded := self._discarded) is not None:
+            # Its sender thread fails every record it holds on its way out.
+            discarded._sender.join(timeout=2 * BOUNDED_DELIVERY_TIMEOUT_MS / 1000)
+        producer = self._producer
+        if producer is None:
+            return
+        try:
+            producer.flush(timeout=2 * BOUNDED_DELIVERY_TIMEOUT_MS / 1000)
+        except KafkaError as e:  # expired: it will not be sent again either
+            _log.warning("records in flight when partitions were revoked: %s", e)
+
+    def _new_producer(self) -> Any:
+        return KafkaProducer(
+            bootstrap_servers=self.bootstrap,
+            reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=self.linger_ms,
+            batch_size=256 * 1024,
+            **self._delivery_config(),
+            **self.client_config,
+        )
+
+    def _send_failed(self, producer: Any) -> None:
+        """A record sent with ``producer`` failed (called on its sender thread): replace it."""
+        with self._swap:
+            if self._producer is not producer or self._closed:
+                return  # replaced already, or closing
+            self._producer = None
+            # Force-closed, its sender fails every record it holds when this callback returns,
+            # instead of sending them after the broker's return (kafka-python's close() flushes
+            # first, and a producer without a producer id never finishes a flush).
+            producer._sender.force_close()
+            self._discarded = producer
+            self._replacing = threading.Thread(target=self._replace, args=(producer,), daemon=True)
+            self._replacing.start()
+
+    def _replace(self, failed: Any) -> None:
+        with contextlib.suppress(KafkaError):
+            failed.close(timeout=BOUNDED_DELIVERY_TIMEOUT_MS / 1000)
+        _log.warning("replacing the Kafka producer after a failed send")
+        while not self._closed:
+            try:
+                producer = self._new_producer()
+            except KafkaError as e:
+                _log.warning("cannot build a Kafka producer yet: %s", e)
+                time.sleep(RECONNECT_BACKOFF_MAX_MS / 1000)
+                continue
+            with self._swap:
+                if not self._closed:
+                    self._producer, producer = producer, None
+                    self._replacing = None
+            if producer is not None:  # closed meanwhile
+                producer.close(timeout=0)
+            return
 
     def _consumer(self, **config: Any) -> Any:
         return KafkaConsumer(
@@ -195,18 +309,7 @@ class KafkaBackend(KafkaCluster, Backend):
     async def start(self) -> None:
         self._closed = False
         try:
-            self._producer = await built_in_thread(
-                lambda: KafkaProducer(
-                    bootstrap_servers=self.bootstrap,
-                    reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS,
-                    acks="all",
-                    enable_idempotence=True,
-                    linger_ms=self.linger_ms,
-                    batch_size=256 * 1024,
-                    **self.client_config,
-                ),
-                lambda producer: producer.close(),
-            )
+            self._producer = await built_in_thread(self._new_producer, lambda producer: producer.close())
         except KafkaError as e:
             raise BackendUnavailable(f"cannot reach Kafka at {self.bootstrap}: {e}") from e
 
@@ -217,11 +320,15 @@ class KafkaBackend(KafkaCluster, Backend):
         when the producer's close waits for its sends in flight: cancelled between two awaits,
         the scan consumers after it were never closed (pytest failed a run on their socket
         pairs). One thread closes everything, shielded: a cancelled caller leaves it running."""
-        self._closed = True
-        producer, self._producer = self._producer, None
+        with self._swap:
+            self._closed = True
+            producer, self._producer = self._producer, None
         scanners, self._scanners = self._scanners, []
+        replacing = self._replacing
 
         def close_all() -> None:
+            if replacing is not None:
+                replacing.join()
             if producer is not None:
                 producer.close()
             for scanner in scanners:
@@ -274,11 +381,16 @@ class KafkaBackend(KafkaCluster, Backend):
         return self._num_partitions
 
     async def produce(self, topic: str, records: Sequence[OutRecord]) -> asyncio.Future[list[Position]]:
-        if self._producer is None:
+        producer = self._producer
+        if producer is None:
+            if self._replacing is not None:
+                raise BackendUnavailable(f"producing to {topic}: the producer is being replaced after a failed send")
             raise RuntimeError("backend not started")
-        waiter = _BatchWaiter(asyncio.get_running_loop(), topic, len(records))
+        waiter = _BatchWaiter(
+            asyncio.get_running_loop(), topic, len(records), on_failed=lambda: self._send_failed(producer)
+        )
         physical = self.physical(topic)
-        send = self._producer.send
+        send = producer.send
         for record in records:
             waiter.add(send(physical, value=record.value, key=record.key, partition=record.partition))
         return waiter.future
@@ -376,14 +488,16 @@ class KafkaGroupMember(Subscription):
             self._consumer = None
 
 
-SESSION_TIMEOUT_MS = 6000
-"""A group member that stops heartbeating loses its partitions after this (the broker's minimum)."""
-
-
 class KafkaSubscription(KafkaGroupMember, ConsumerRebalanceListener):  # type: ignore[misc]
     """A kafka-python group consumer; the broker's group coordinator assigns partitions."""
 
     backend: KafkaBackend
+    _revoking = False
+    """Partitions are being revoked: no record may be handed over until the next assignment."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._writing = threading.Lock()
 
     def join(self) -> None:
         # A new group with no committed offset starts at the beginning: an event log is read whole.
@@ -412,6 +526,14 @@ class KafkaSubscription(KafkaGroupMember, ConsumerRebalanceListener):  # type: i
     # ConsumerRebalanceListener (called inside poll, on the polling thread). kafka-python
     # rebalances eagerly: every rebalance revokes everything, then assigns the new set.
     def on_partitions_revoked(self, revoked: Any) -> None:
+        # The member rejoins when this returns, and the group hands the partitions to anyone
+        # only once every member rejoined (or was dropped): records of this member still in
+        # flight would land after its successor read the partition's tails, a second writer of
+        # those chains. From here on no writer hands over a record (membership() is LOST), and
+        # what was handed over lands or fails (bounded delivery) before the rejoin.
+        with self._writing:
+            self._revoking = True
+        self.backend.settle_sends()
         self._held = {(tp.topic, tp.partition) for tp in revoked}
 
     def on_partitions_assigned(self, assigned: Any) -> None:
@@ -422,12 +544,18 @@ class KafkaSubscription(KafkaGroupMember, ConsumerRebalanceListener):  # type: i
             if new:
                 self._consumer.seek_to_beginning(*new)
         self._held = {(tp.topic, tp.partition) for tp in assigned}
+        self._revoking = False
+
+    def writing(self) -> AbstractContextManager[object]:
+        return self._writing
 
     def membership(self) -> Membership:
         # Read from kafka-python's coordinator, whose heartbeat runs beside the polling thread:
-        # a heartbeat answered within half the session timeout means the broker cannot have
-        # expired this member yet (its timer started before that answer); an answer that asks
-        # for a rejoin (rebalance, unknown member, fenced) sets ``need_rejoin``.
+        # a heartbeat answered within CONFIRMED_FOR_S means the broker cannot expire this member
+        # for SESSION_TIMEOUT_MS minus that (its timer started before that answer); an answer
+        # that asks for a rejoin (rebalance, unknown member, fenced) sets ``need_rejoin``.
+        if self._revoking:
+            return Membership.LOST
         coordinator = getattr(self._consumer, "_coordinator", None)
         if coordinator is None:
             return Membership.CONFIRMED
@@ -435,7 +563,7 @@ class KafkaSubscription(KafkaGroupMember, ConsumerRebalanceListener):  # type: i
             return Membership.LOST
         heartbeat = coordinator.heartbeat
         answered = max(heartbeat.last_receive, heartbeat.last_reset)
-        if time.monotonic() - answered > SESSION_TIMEOUT_MS / 2000:
+        if time.monotonic() - answered > CONFIRMED_FOR_S:
             return Membership.IN_DOUBT
         return Membership.CONFIRMED
 

@@ -40,7 +40,15 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from log import topics as topic_table
 from log.backend import Backend, OutRecord, Subscription
 from log.errors import BackendUnavailable
-from log.kafka_backend import SESSION_TIMEOUT_MS, KafkaCluster, KafkaGroupMember, one_partition_count, topic_configs
+from log.kafka_backend import (
+    BOUNDED_DELIVERY_TIMEOUT_MS,
+    BOUNDED_REQUEST_TIMEOUT_MS,
+    SESSION_TIMEOUT_MS,
+    KafkaCluster,
+    KafkaGroupMember,
+    one_partition_count,
+    topic_configs,
+)
 from log.types import Position, RawRecord
 
 __all__ = ["RdKafkaBackend", "rdkafka_config"]
@@ -168,13 +176,25 @@ class RdKafkaBackend(KafkaCluster, Backend):
         namespace: str = "",
         client_config: dict[str, Any] | None = None,
         linger_ms: int = 2,
+        bounded_delivery: bool = False,
     ) -> None:
-        super().__init__(bootstrap, namespace=namespace, client_config=client_config, linger_ms=linger_ms)
+        super().__init__(
+            bootstrap,
+            namespace=namespace,
+            client_config=client_config,
+            linger_ms=linger_ms,
+            bounded_delivery=bounded_delivery,
+        )
         self._common = {"bootstrap.servers": bootstrap, "logger": _log, **rdkafka_config(self.client_config)}
         self._producer: Any = None
         self._delivering = False
         self._delivery: threading.Thread | None = None
         self._in_order = asyncio.Lock()
+
+    def _delivery_config(self) -> dict[str, int]:
+        if not self.bounded_delivery:
+            return {}
+        return {"request.timeout.ms": BOUNDED_REQUEST_TIMEOUT_MS, "delivery.timeout.ms": BOUNDED_DELIVERY_TIMEOUT_MS}
 
     def _consumer(self, **config: Any) -> Any:
         return Consumer({**self._common, "enable.auto.commit": False, "enable.partition.eof": False, **config})
@@ -184,6 +204,7 @@ class RdKafkaBackend(KafkaCluster, Backend):
             {
                 "linger.ms": self.linger_ms,
                 "queue.buffering.max.messages": 1_000_000,
+                **self._delivery_config(),
                 **self._common,  # the caller's settings may change the two above, not the two below
                 "acks": "all",
                 "enable.idempotence": True,

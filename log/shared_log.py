@@ -21,6 +21,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 from log import topics as topic_table
@@ -122,8 +123,16 @@ class SharedLog:
         (position,) = await self.append_many([Draft(session_id, body, event_id, causation_id)])
         return position
 
-    async def append_many(self, drafts: Sequence[Draft]) -> list[Position]:
-        """Append events (all for one topic) in order, waiting once for all of them."""
+    async def append_many(
+        self, drafts: Sequence[Draft], *, guard: AbstractContextManager[object] | None = None
+    ) -> list[Position]:
+        """Append events (all for one topic) in order, waiting once for all of them.
+
+        ``guard`` is entered right before the records are handed to the backend, with nothing
+        awaited in between, and left once they are: a writer fenced by its group membership
+        checks it there, so that the check holds when the records are handed over (a raise
+        refuses the append; nothing is written). See ``workers.runtime.SessionWorker.append``.
+        """
         if not drafts:
             return []
         topic = topic_table.topic_of(drafts[0].body)
@@ -132,7 +141,7 @@ class SharedLog:
                 raise ValueError("append_many takes events of one topic; split the batch by topic")
         if not topic.allows_actor(self.actor):
             raise NotTopicOwner(f"{self.actor!r} may not append to {topic.name}; only {topic.owner!r} may")
-        return await self._append(topic, drafts)
+        return await self._append(topic, drafts, guard)
 
     async def dead_letter(self, record: RawRecord, error: RecordError, group: str) -> Position | None:
         """Set a bad record aside on ``agent.dlq`` with the reason.
@@ -159,7 +168,12 @@ class SharedLog:
         (position,) = await self._append(topic_table.AGENT_DLQ, [Draft(self._dlq_session, body)])
         return position
 
-    async def _append(self, topic: topic_table.Topic, drafts: Sequence[Draft]) -> list[Position]:
+    async def _append(
+        self,
+        topic: topic_table.Topic,
+        drafts: Sequence[Draft],
+        guard: AbstractContextManager[object] | None = None,
+    ) -> list[Position]:
         # One future stands for the whole batch; what each record waits for is (that future,
         # its index in the batch). An event_id seen before resolves to its Position, or, while
         # its batch is in flight (earlier in this batch or in a concurrent append), to that pair.
@@ -202,7 +216,12 @@ class SharedLog:
                     chain.last_hash = digest
                     chain.known[event_id] = pending
                     results.append(pending)
-                produced = await self.backend.produce(topic.name, out) if out else None
+                produced = None
+                if out:
+                    # A Kafka backend hands every record to its producer before produce() first
+                    # yields to the loop: the guard's check and the hand-over are one step.
+                    with guard if guard is not None else nullcontext():
+                        produced = await self.backend.produce(topic.name, out)
                 if produced is not None:
                     in_flight = self._in_flight[topic.name]
                     in_flight.add(produced)

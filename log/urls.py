@@ -35,12 +35,17 @@ def kafka_backend(
     namespace: str = "",
     client_config: dict[str, Any] | None = None,
     linger_ms: int | None = None,
+    bounded_delivery: bool = False,
 ) -> Backend:
     """The Kafka backend on the client ``AGENTLOG_KAFKA_CLIENT`` names (kafka-python by default).
 
-    ``linger_ms``: how long the producer waits to fill a batch (None: the backend's default)."""
+    ``linger_ms``: how long the producer waits to fill a batch (None: the backend's default).
+    ``bounded_delivery``: each record lands or fails within 1.5 s (the session workers' fence,
+    ``log.kafka_backend.BOUNDED_DELIVERY_TIMEOUT_MS``), not the client's 120 s."""
     client = os.environ.get(ENV_KAFKA_CLIENT) or "python"
-    options: dict[str, Any] = {} if linger_ms is None else {"linger_ms": linger_ms}
+    options: dict[str, Any] = {"bounded_delivery": bounded_delivery}
+    if linger_ms is not None:
+        options["linger_ms"] = linger_ms
     if client == "python":
         from log.kafka_backend import KafkaBackend
 
@@ -58,17 +63,26 @@ def kafka_backend(
     raise ValueError(f"{ENV_KAFKA_CLIENT}={client!r}: use one of {', '.join(KAFKA_CLIENTS)}")
 
 
-def backend_for(url: str | None, *, namespace: str | None = None, linger_ms: int | None = None) -> Backend:
+def backend_for(
+    url: str | None,
+    *,
+    namespace: str | None = None,
+    linger_ms: int | None = None,
+    bounded_delivery: bool = False,
+) -> Backend:
     """The backend a URL names (see the module docstring).
 
     ``namespace`` (or ``AGENTLOG_NAMESPACE``) keeps several logs apart on one
     server: a topic prefix on Kafka, a schema on Postgres, a store of its own in memory.
-    ``linger_ms`` is the Kafka producer's (None: its default); other backends have none.
+    ``linger_ms`` and ``bounded_delivery`` are the Kafka producer's (see ``kafka_backend``);
+    other backends have neither.
     """
     url = url or os.environ.get(ENV_URL) or "embedded"
     namespace = namespace if namespace is not None else os.environ.get(ENV_NAMESPACE, "")
     if url.startswith("kafka://"):
-        return kafka_backend(url.removeprefix("kafka://"), namespace=namespace, linger_ms=linger_ms)
+        return kafka_backend(
+            url.removeprefix("kafka://"), namespace=namespace, linger_ms=linger_ms, bounded_delivery=bounded_delivery
+        )
     if url.startswith(("postgresql://", "postgres://")):
         from log.postgres_backend import PostgresBackend
 
@@ -94,6 +108,8 @@ def open_log(
     clock: Clock = system_clock,
     namespace: str | None = None,
     linger_ms: int | None = None,
+    bounded_delivery: bool = False,
 ) -> SharedLog:
     """A SharedLog for ``actor`` on the log at ``url`` (call ``await log.start()`` or use ``async with``)."""
-    return SharedLog(backend_for(url, namespace=namespace, linger_ms=linger_ms), actor=actor, clock=clock)
+    backend = backend_for(url, namespace=namespace, linger_ms=linger_ms, bounded_delivery=bounded_delivery)
+    return SharedLog(backend, actor=actor, clock=clock)

@@ -31,6 +31,7 @@ class WorkerClass(Protocol):
 
     role: str
     linger_ms: int | None
+    bounded_delivery: bool
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None: ...
@@ -91,7 +92,12 @@ async def _main(worker_class: WorkerClass, args: argparse.Namespace) -> None:
         port = await metrics.serve(args.metrics_host, args.metrics_port)
         _log.info("%s serves /metrics and /health on %s:%d", worker_class.role, args.metrics_host, port)
     try:
-        async with open_log(args.log_url, actor=worker_class.role, linger_ms=worker_class.linger_ms) as log:
+        async with open_log(
+            args.log_url,
+            actor=worker_class.role,
+            linger_ms=worker_class.linger_ms,
+            bounded_delivery=worker_class.bounded_delivery,
+        ) as log:
             worker = await worker_class.create(log, args)
             if metrics is not None:
                 worker.metrics = metrics

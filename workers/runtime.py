@@ -20,11 +20,14 @@ appends are durable (``append`` waits for them); marks are saved before the comm
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 
 from log import Draft, DuplicateVerdict, LoggedEvent, RecordError, SharedLog, UnknownSession
 from log.backend import Membership
 from log.consumer import EventConsumer
+from log.errors import BackendUnavailable
 from log.snapshots import SnapshotStore
 from schemas.envelope import Envelope
 from schemas.events import Event, SessionRequested
@@ -40,6 +43,15 @@ _log = logging.getLogger(__name__)
 
 MEMBERSHIP_POLL_S = 0.05
 """How often an append waiting for the group's word on this member looks again."""
+APPEND_BACKOFF_S = 0.5
+APPEND_BACKOFF_MAX_S = 5.0
+APPEND_RETRY_S = 120.0
+"""An append the log could not deliver is tried again (backoff from 0.5 s to 5 s) for this long,
+then the worker fails (and is restarted): the producer's own 120 s before bounded delivery."""
+
+
+class _InDoubt(Exception):
+    """The group's word on this member went stale between ``_confirm_owner`` and the hand-over."""
 
 
 def event_id(session_id: str, kind: str, key: str = "") -> str:
@@ -51,6 +63,7 @@ class SessionWorker(MarkRecovery, Worker):
     """Base class of the role workers (planner, decider, executor)."""
 
     role = "worker"
+    bounded_delivery = True  # the write fence needs it (``_writable``)
     reports_duplicate_verdicts = False
     """Dead-letter a second verdict for a call (the role that acts on verdicts does it, once)."""
     reports_unknown_sessions = False
@@ -135,12 +148,31 @@ class SessionWorker(MarkRecovery, Worker):
         session's chain now, and two writers of one chain give it a seq twice (on Kafka, which
         refuses nothing, every reader then sets aside the rest of the chain).
         """
-        await self._confirm_owner(for_session or session_id)
+        owner = for_session or session_id
         eid = event_id(session_id, kind, key)
         # The time is read from the log's clock here and stamped on the record, so that our
         # fold and every reader's fold of this event see the same occurred_at.
         occurred_at = self.log.clock()
-        await self.log.append_many([Draft(session_id, body, eid, cause, occurred_at)])
+        draft = Draft(session_id, body, eid, cause, occurred_at)
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + APPEND_RETRY_S
+        backoff = APPEND_BACKOFF_S
+        while True:
+            await self._confirm_owner(owner)
+            try:
+                await self.log.append_many([draft], guard=self._writable(owner))
+                break
+            except _InDoubt:
+                continue  # _confirm_owner waits for the group's word
+            except BackendUnavailable:
+                # Not delivered within the producer's bound (a broker away): maybe landed, maybe
+                # not; the log re-reads the partition before the next try, which is a no-op if it
+                # did (same event id). Meanwhile the group may have moved on: asked again first.
+                if loop.time() + backoff > give_up_at:
+                    raise
+                _log.warning("%s: append for %s not delivered, again in %.1f s", self.role, session_id, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, APPEND_BACKOFF_MAX_S)
         # Fold our own write now; reading it back later is a no-op (same event id).
         self.state(session_id).apply(
             Envelope.model_construct(
@@ -175,6 +207,27 @@ class SessionWorker(MarkRecovery, Worker):
                 )
             await asyncio.sleep(MEMBERSHIP_POLL_S)
             self._check_owner(session_id)
+
+    @contextlib.contextmanager
+    def _writable(self, session_id: str) -> Iterator[None]:
+        """The write fence, held while the log hands our records to the producer: the session is
+        still ours and the group still counts us, *now* (the look of ``_confirm_owner`` may be
+        a partition load old). Held, the member cannot give its partitions up until the
+        records are handed over; it then waits for them to land or fail before it rejoins
+        (``KafkaSubscription.on_partitions_revoked``; docs/reliability.md, "The write fence")."""
+        consumer = self.consumer
+        with consumer.writing() if consumer is not None else contextlib.nullcontext():
+            self._check_owner(session_id)
+            partition = self.log.partition_for(session_id)
+            if consumer is not None and partition in self._owned:
+                membership = consumer.membership()
+                if membership is Membership.LOST:
+                    raise PartitionMoved(
+                        f"partition {partition} of session {session_id}: this member must rejoin its group"
+                    )
+                if membership is Membership.IN_DOUBT:
+                    raise _InDoubt()
+            yield
 
     def _check_owner(self, session_id: str) -> None:
         partition = self.log.partition_for(session_id)

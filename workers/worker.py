@@ -132,6 +132,9 @@ class Worker:
     """With metrics: how often the consumer lag is measured (it asks the log for end offsets)."""
     linger_ms: ClassVar[int | None] = None
     """How long the Kafka producer waits to fill a batch (None: the backend's default, 2 ms)."""
+    bounded_delivery: ClassVar[bool] = False
+    """Each record lands or fails within 1.5 s (``log.urls.kafka_backend``): the session roles'
+    appends are fenced by their group membership, which needs it."""
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import pytest
 
 from cli.common import ensure_topics
-from log.backend import Membership
+from log.backend import Membership, OutRecord
 from log.kafka_backend import KafkaBackend, KafkaSubscription
 from log.topics import AGENT_ACTIONS
 
@@ -76,6 +76,44 @@ def test_a_member_whose_heartbeats_go_unanswered_is_in_doubt_then_lost(kafka_boo
             await first.close()
             if second is not None:
                 await second.close()
+            await backend.close()
+
+    asyncio.run(scenario())
+
+
+def test_records_handed_over_land_before_the_member_gives_its_partitions_up(
+    kafka_bootstrap: str, namespace: str
+) -> None:
+    """The group hands a member's partitions to another only once the member rejoined (or was
+    dropped). A record of its own still in the producer would land after the successor read
+    the partition's tails: a second writer of a chain. So the member takes its partitions back
+    from its writers first (a writer holding ``writing()`` is waited for; after, membership is
+    LOST and no writer hands a record over), and its records land or fail before it rejoins."""
+    ensure_topics(f"kafka://{kafka_bootstrap}", namespace=namespace)
+
+    async def scenario() -> None:
+        # A record waits up to 500 ms in the producer for its batch to fill: in flight for long.
+        backend = KafkaBackend(kafka_bootstrap, namespace=namespace, linger_ms=500, bounded_delivery=True)
+        await backend.start()
+        member = await backend.subscribe(f"fence-{uuid.uuid4().hex[:6]}", [AGENT_ACTIONS.name], from_beginning=True)
+        assert isinstance(member, KafkaSubscription)
+        try:
+            num_partitions = await backend.num_partitions()
+            await until("the member owns every partition", lambda: len(member.assignment()) == num_partitions, member)
+            before = await backend.end_offsets(AGENT_ACTIONS.name)
+            with member.writing():  # a writer handing a record over
+                produced = await backend.produce(AGENT_ACTIONS.name, [OutRecord(0, b"fence", b"in flight")])
+                # The group takes the partitions back (kafka-python calls this inside a poll).
+                revoke = asyncio.ensure_future(asyncio.to_thread(member.on_partitions_revoked, []))
+                await asyncio.sleep(0.05)
+                assert not revoke.done()  # it waits for the writer
+            await revoke
+            assert member.membership() is Membership.LOST  # no writer hands a record over now
+            after = await backend.end_offsets(AGENT_ACTIONS.name)
+            assert after[0] == before[0] + 1  # landed before the partitions went
+            await produced
+        finally:
+            await member.close()
             await backend.close()
 
     asyncio.run(scenario())

@@ -11,12 +11,15 @@ again. The old owner's append must be refused instead.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 
 from log import SharedLog
-from log.backend import Membership
+from log.backend import Membership, OutRecord
+from log.errors import BackendUnavailable
 from log.memory_backend import MemoryBackend, MemoryStore
+from log.types import Position
 from schemas import events as ev
 from workers.runtime import MEMBERSHIP_POLL_S, SessionWorker
 from workers.worker import PartitionMoved
@@ -96,5 +99,88 @@ def test_an_append_waits_while_the_group_has_not_confirmed_this_member_and_is_re
                 await appending
             assert (await log.end_offsets("agent.actions"))[1] == ends[1] + 1  # nothing more written
             await consumer.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+
+
+async def _worker_on_partition_1(log: SharedLog) -> tuple[SessionWorker, str]:
+    session = next(s for s in (f"s{i}" for i in range(100)) if log.partition_for(s) == 1)
+    worker = SessionWorker(log, group="planner")
+    worker.topics = ("agent.actions",)
+    worker.consumer = consumer = await worker.open_consumer()
+    await worker.handle(await consumer.poll(0.0))
+    return worker, session
+
+
+def test_the_group_is_asked_again_when_the_records_are_handed_over() -> None:
+    """The look before an append can be a partition load old (a re-read of the partition comes
+    between it and the hand-over): the fence looks again while the log hands the records over.
+    Whatever the group said meanwhile decides: LOST refuses the append (nothing written),
+    IN_DOUBT sends it back to wait for the group's word."""
+
+    async def scenario() -> None:
+        store = MemoryStore()
+        admin = MemoryBackend(store)
+        await admin.start()
+        await admin.create_topics(2)
+        async with SharedLog(MemoryBackend(store), actor="planner") as log:
+            worker, session = await _worker_on_partition_1(log)
+            consumer = worker.consumer
+            assert consumer is not None
+            ends = await log.end_offsets("agent.actions")
+            # What each look at the membership answers, in order (then CONFIRMED).
+            answers = [Membership.CONFIRMED, Membership.LOST]
+            consumer.membership = lambda: answers.pop(0) if answers else Membership.CONFIRMED  # type: ignore[method-assign]
+            with pytest.raises(PartitionMoved, match="must rejoin"):
+                await worker.append(session, STARTED, kind="start")
+            assert await log.end_offsets("agent.actions") == ends  # nothing written
+            assert session not in worker.sessions
+
+            answers[:] = [Membership.CONFIRMED, Membership.IN_DOUBT, Membership.IN_DOUBT, Membership.CONFIRMED]
+            await worker.append(session, STARTED, kind="start")
+            assert not answers  # looked again before and while handing it over
+            assert (await log.end_offsets("agent.actions"))[1] == ends[1] + 1  # once
+            await consumer.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+
+
+def test_an_append_not_delivered_is_tried_again_and_lands_once() -> None:
+    """A fenced writer's producer gives a record up after 1.5 s (a broker away); it may or may
+    not have landed. The append asks the group again, the log re-reads the partition, and the
+    record is sent again unless it is there (same event id): one record either way."""
+
+    class Flaky(MemoryBackend):
+        def __init__(self, store: MemoryStore) -> None:
+            super().__init__(store)
+            self.outcomes: list[str] = []  # of the next produce calls: "landed" or "lost", both reported failed
+
+        async def produce(self, topic: str, records: Sequence[OutRecord]) -> asyncio.Future[list[Position]]:
+            outcome = self.outcomes.pop(0) if self.outcomes else "ok"
+            if outcome == "ok":
+                return await super().produce(topic, records)
+            if outcome == "landed":
+                await (await super().produce(topic, records))
+            failed: asyncio.Future[list[Position]] = asyncio.get_running_loop().create_future()
+            failed.set_exception(BackendUnavailable(f"producing to {topic} failed: KafkaTimeoutError"))
+            return failed
+
+    async def scenario() -> None:
+        store = MemoryStore()
+        admin = MemoryBackend(store)
+        await admin.start()
+        await admin.create_topics(2)
+        backend = Flaky(store)
+        async with SharedLog(backend, actor="planner") as log:
+            worker, session = await _worker_on_partition_1(log)
+            ends = await log.end_offsets("agent.actions")
+            backend.outcomes = ["lost", "landed"]
+            await worker.append(session, STARTED, kind="start")
+            assert not backend.outcomes  # tried three times
+            assert (await log.end_offsets("agent.actions"))[1] == ends[1] + 1  # landed once
+            history = await log.history(session, ["agent.actions"])
+            assert [e.seq for e in history] == [0]
+            assert worker.consumer is not None
+            await worker.consumer.close()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=10))
