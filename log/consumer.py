@@ -202,6 +202,12 @@ class EventConsumer:
         """Whether this member's partitions are surely still its own (``Subscription.membership``)."""
         return self._subscription.membership() if self._subscription else Membership.CONFIRMED
 
+    def assignment_seen(self) -> bool:
+        """Whether ``poll`` has told the log of this member's latest assignment. A rebalance
+        completes inside the subscription's poll, on its thread: until that poll returns here,
+        the log may hold the tails of a partition that another member wrote meanwhile."""
+        return self._subscription is None or self._subscription.assignments == self._assignments
+
     def writing(self) -> AbstractContextManager[object]:
         """Held while a fenced writer hands records over (``Subscription.writing``)."""
         return self._subscription.writing() if self._subscription else nullcontext()

@@ -51,7 +51,8 @@ then the worker fails (and is restarted): the producer's own 120 s before bounde
 
 
 class _InDoubt(Exception):
-    """The group's word on this member went stale between ``_confirm_owner`` and the hand-over."""
+    """The group's word on this member went stale between ``_confirm_owner`` and the hand-over,
+    or a new assignment has not reached the log yet (``EventConsumer.assignment_seen``)."""
 
 
 def event_id(session_id: str, kind: str, key: str = "") -> str:
@@ -163,7 +164,8 @@ class SessionWorker(MarkRecovery, Worker):
                 await self.log.append_many([draft], guard=self._writable(owner))
                 break
             except _InDoubt:
-                continue  # _confirm_owner waits for the group's word
+                await asyncio.sleep(MEMBERSHIP_POLL_S)  # then _confirm_owner waits for the group's word
+                continue
             except BackendUnavailable:
                 # Not delivered within the producer's bound (a broker away): maybe landed, maybe
                 # not; the log re-reads the partition before the next try, which is a no-op if it
@@ -220,6 +222,8 @@ class SessionWorker(MarkRecovery, Worker):
             self._check_owner(session_id)
             partition = self.log.partition_for(session_id)
             if consumer is not None and partition in self._owned:
+                if not consumer.assignment_seen():
+                    raise _InDoubt()  # a rebalance ended in the poll in flight: wait for it to return
                 membership = consumer.membership()
                 if membership is Membership.LOST:
                     raise PartitionMoved(

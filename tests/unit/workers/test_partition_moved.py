@@ -184,3 +184,36 @@ def test_an_append_not_delivered_is_tried_again_and_lands_once() -> None:
             await worker.consumer.close()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+
+
+def test_an_append_waits_until_a_new_assignment_has_reached_the_log() -> None:
+    """A rebalance completes inside the subscription's poll (on its thread); until that poll
+    returns, the log has not been told that the partitions moved (another member may have
+    written their chains meanwhile) and the worker's view of its partitions is stale. The fence
+    holds the append back until the consumer has seen the new assignment."""
+
+    async def scenario() -> None:
+        store = MemoryStore()
+        admin = MemoryBackend(store)
+        await admin.start()
+        await admin.create_topics(2)
+        async with SharedLog(MemoryBackend(store), actor="planner") as log:
+            worker, session = await _worker_on_partition_1(log)
+            consumer = worker.consumer
+            assert consumer is not None
+            subscription = consumer._subscription
+            assert subscription is not None
+            ends = await log.end_offsets("agent.actions")
+            subscription.assignments += 1  # a rebalance gave the same partitions back, unseen
+            assert not consumer.assignment_seen()
+            appending = asyncio.create_task(worker.append(session, STARTED, kind="start"))
+            for _ in range(5):
+                await asyncio.sleep(MEMBERSHIP_POLL_S)
+            assert not appending.done() and await log.end_offsets("agent.actions") == ends
+            await worker.handle(await consumer.poll(0.0))  # the poll tells the log
+            assert consumer.assignment_seen()
+            await appending
+            assert (await log.end_offsets("agent.actions"))[1] == ends[1] + 1
+            await consumer.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=10))
