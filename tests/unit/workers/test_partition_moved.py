@@ -17,6 +17,7 @@ import pytest
 
 from log import SharedLog
 from log.backend import Membership, OutRecord
+from log.consumer import EventConsumer
 from log.errors import BackendUnavailable
 from log.memory_backend import MemoryBackend, MemoryStore
 from log.types import Position
@@ -29,12 +30,18 @@ pytestmark = pytest.mark.unit
 STARTED = ev.SessionStarted(program="script", args_json="{}")
 
 
+async def _store_with_topics() -> MemoryStore:
+    """A memory log of two partitions per topic (sessions of partition 1 are tested)."""
+    store = MemoryStore()
+    admin = MemoryBackend(store)
+    await admin.start()
+    await admin.create_topics(2)
+    return store
+
+
 def test_an_append_for_a_session_whose_partition_moved_away_is_refused_until_it_is_back() -> None:
     async def scenario() -> None:
-        store = MemoryStore()
-        admin = MemoryBackend(store)
-        await admin.start()
-        await admin.create_topics(2)
+        store = await _store_with_topics()
         async with (
             SharedLog(MemoryBackend(store), actor="planner") as log,
             SharedLog(MemoryBackend(store), actor="planner") as other_log,
@@ -69,10 +76,7 @@ def test_an_append_waits_while_the_group_has_not_confirmed_this_member_and_is_re
     every partition over again, and their owner replays the session and does it)."""
 
     async def scenario() -> None:
-        store = MemoryStore()
-        admin = MemoryBackend(store)
-        await admin.start()
-        await admin.create_topics(2)
+        store = await _store_with_topics()
         async with SharedLog(MemoryBackend(store), actor="planner") as log:
             session = next(s for s in (f"s{i}" for i in range(100)) if log.partition_for(s) == 1)
             worker = SessionWorker(log, group="planner")
@@ -103,13 +107,13 @@ def test_an_append_waits_while_the_group_has_not_confirmed_this_member_and_is_re
     asyncio.run(asyncio.wait_for(scenario(), timeout=10))
 
 
-async def _worker_on_partition_1(log: SharedLog) -> tuple[SessionWorker, str]:
+async def _worker_on_partition_1(log: SharedLog) -> tuple[SessionWorker, EventConsumer, str]:
     session = next(s for s in (f"s{i}" for i in range(100)) if log.partition_for(s) == 1)
     worker = SessionWorker(log, group="planner")
     worker.topics = ("agent.actions",)
     worker.consumer = consumer = await worker.open_consumer()
     await worker.handle(await consumer.poll(0.0))
-    return worker, session
+    return worker, consumer, session
 
 
 def test_the_group_is_asked_again_when_the_records_are_handed_over() -> None:
@@ -119,14 +123,9 @@ def test_the_group_is_asked_again_when_the_records_are_handed_over() -> None:
     IN_DOUBT sends it back to wait for the group's word."""
 
     async def scenario() -> None:
-        store = MemoryStore()
-        admin = MemoryBackend(store)
-        await admin.start()
-        await admin.create_topics(2)
+        store = await _store_with_topics()
         async with SharedLog(MemoryBackend(store), actor="planner") as log:
-            worker, session = await _worker_on_partition_1(log)
-            consumer = worker.consumer
-            assert consumer is not None
+            worker, consumer, session = await _worker_on_partition_1(log)
             ends = await log.end_offsets("agent.actions")
             # What each look at the membership answers, in order (then CONFIRMED).
             answers = [Membership.CONFIRMED, Membership.LOST]
@@ -166,13 +165,10 @@ def test_an_append_not_delivered_is_tried_again_and_lands_once() -> None:
             return failed
 
     async def scenario() -> None:
-        store = MemoryStore()
-        admin = MemoryBackend(store)
-        await admin.start()
-        await admin.create_topics(2)
+        store = await _store_with_topics()
         backend = Flaky(store)
         async with SharedLog(backend, actor="planner") as log:
-            worker, session = await _worker_on_partition_1(log)
+            worker, consumer, session = await _worker_on_partition_1(log)
             ends = await log.end_offsets("agent.actions")
             backend.outcomes = ["lost", "landed"]
             await worker.append(session, STARTED, kind="start")
@@ -180,8 +176,7 @@ def test_an_append_not_delivered_is_tried_again_and_lands_once() -> None:
             assert (await log.end_offsets("agent.actions"))[1] == ends[1] + 1  # landed once
             history = await log.history(session, ["agent.actions"])
             assert [e.seq for e in history] == [0]
-            assert worker.consumer is not None
-            await worker.consumer.close()
+            await consumer.close()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=10))
 
@@ -193,14 +188,9 @@ def test_an_append_waits_until_a_new_assignment_has_reached_the_log() -> None:
     holds the append back until the consumer has seen the new assignment."""
 
     async def scenario() -> None:
-        store = MemoryStore()
-        admin = MemoryBackend(store)
-        await admin.start()
-        await admin.create_topics(2)
+        store = await _store_with_topics()
         async with SharedLog(MemoryBackend(store), actor="planner") as log:
-            worker, session = await _worker_on_partition_1(log)
-            consumer = worker.consumer
-            assert consumer is not None
+            worker, consumer, session = await _worker_on_partition_1(log)
             subscription = consumer._subscription
             assert subscription is not None
             ends = await log.end_offsets("agent.actions")
