@@ -22,28 +22,13 @@ from log.errors import BackendUnavailable
 from log.kafka_backend import KafkaBackend
 from log.local_kafka import LocalKafkaBroker
 from log.topics import AGENT_ACTIONS
-from log.types import Position
+from tests.integration.produce_retry import produce_retrying
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SETTLED_WAIT_S = 30.0
 """How long the test waits for each verdict while the broker is paused: kafka-python's default
 (120 s of retries) would still be retrying; a bounded producer has long given the record up."""
-RESUMED_TRIES = 40
-"""Appends tried, half a second apart, once the broker is back (the worker's retry, shortened)."""
-
-
-async def produce_when_back(backend: KafkaBackend, value: bytes) -> Position:
-    """What a session worker does: an append the log could not take is tried again."""
-    for _ in range(RESUMED_TRIES):
-        try:
-            (position,) = await asyncio.wait_for(
-                await backend.produce(AGENT_ACTIONS.name, [OutRecord(0, b"s", value)]), SETTLED_WAIT_S
-            )
-            return position
-        except BackendUnavailable:
-            await asyncio.sleep(0.5)
-    raise AssertionError(f"the producer did not deliver in {RESUMED_TRIES} tries after the broker resumed")
 
 
 def test_records_are_given_up_while_the_broker_is_paused_and_the_producer_works_after() -> None:
@@ -69,7 +54,7 @@ def test_records_are_given_up_while_the_broker_is_paused_and_the_producer_works_
                         await asyncio.sleep(attempt)
                 finally:
                     os.kill(pid, signal.SIGCONT)
-                position = await produce_when_back(backend, b"after")
+                position = await produce_retrying(backend, AGENT_ACTIONS.name, OutRecord(0, b"s", b"after"))
                 values = [r.value async for r in backend.scan(AGENT_ACTIONS.name, 0)]
                 # A record given up may still have landed (the broker took it before it paused);
                 # never after what was sent once the broker was back.
