@@ -197,18 +197,11 @@ class SessionWorker(MarkRecovery, Worker):
         While the group's answer is awaited, the append waits (the heartbeat runs beside this
         loop); a member that must rejoin gives the work up: the rejoin hands every partition
         over again, and whoever then owns the session's replays it and does the work."""
-        self._check_owner(session_id)
-        partition = self.log.partition_for(session_id)
-        while self.consumer is not None and partition in self._owned:
-            membership = self.consumer.membership()
-            if membership is Membership.CONFIRMED:
+        # Polled: the answer arrives on kafka-python's heartbeat thread, which sets no event.
+        while True:
+            if self._group_word(session_id) is Membership.CONFIRMED:
                 return
-            if membership is Membership.LOST:
-                raise PartitionMoved(
-                    f"partition {partition} of session {session_id}: this member must rejoin its group"
-                )
             await asyncio.sleep(MEMBERSHIP_POLL_S)
-            self._check_owner(session_id)
 
     @contextlib.contextmanager
     def _writable(self, session_id: str) -> Iterator[None]:
@@ -220,18 +213,27 @@ class SessionWorker(MarkRecovery, Worker):
         consumer = self.consumer
         with consumer.writing() if consumer is not None else contextlib.nullcontext():
             self._check_owner(session_id)
-            partition = self.log.partition_for(session_id)
-            if consumer is not None and partition in self._owned:
-                if not consumer.assignment_seen():
-                    raise _InDoubt()  # a rebalance ended in the poll in flight: wait for it to return
-                membership = consumer.membership()
-                if membership is Membership.LOST:
-                    raise PartitionMoved(
-                        f"partition {partition} of session {session_id}: this member must rejoin its group"
-                    )
-                if membership is Membership.IN_DOUBT:
-                    raise _InDoubt()
+            if (
+                consumer is not None
+                and self.log.partition_for(session_id) in self._owned
+                and not consumer.assignment_seen()
+            ):
+                raise _InDoubt()  # a rebalance ended in the poll in flight: wait for it to return
+            if self._group_word(session_id) is Membership.IN_DOUBT:
+                raise _InDoubt()
             yield
+
+    def _group_word(self, session_id: str) -> Membership:
+        """``_check_owner``, then what the group says of this member now, for a session of a
+        partition it owns (CONFIRMED otherwise: nothing to fence); LOST raises PartitionMoved."""
+        self._check_owner(session_id)
+        partition = self.log.partition_for(session_id)
+        if self.consumer is None or partition not in self._owned:
+            return Membership.CONFIRMED
+        membership = self.consumer.membership()
+        if membership is Membership.LOST:
+            raise PartitionMoved(f"partition {partition} of session {session_id}: this member must rejoin its group")
+        return membership
 
     def _check_owner(self, session_id: str) -> None:
         partition = self.log.partition_for(session_id)
