@@ -391,6 +391,13 @@ class RdKafkaSubscription(KafkaGroupMember):
     """A librdkafka group consumer; the broker's group coordinator assigns partitions."""
 
     backend: RdKafkaBackend
+    _assigned: frozenset[tuple[str, int]] = frozenset()
+    """(logical topic, partition) as the last rebalance callback left it: ``assignment()`` reads
+    this, not librdkafka's ``assignment()``, which waits for librdkafka's own thread and, called
+    from the event loop while another thread polls, stalls it for milliseconds (or for good)."""
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return set(self._assigned)
 
     def join(self) -> None:
         # As in kafka_backend: a new group starts at the beginning, a dead member's partitions
@@ -412,6 +419,7 @@ class RdKafkaSubscription(KafkaGroupMember):
     # assignors revoke everything, then assign the new set.
     def _on_revoke(self, consumer: Any, revoked: list[Any]) -> None:
         self._held = {(tp.topic, tp.partition) for tp in revoked}
+        self._assigned = frozenset()
         consumer.unassign()
 
     def _on_assign(self, consumer: Any, assigned: list[Any]) -> None:
@@ -425,6 +433,7 @@ class RdKafkaSubscription(KafkaGroupMember):
                     tp.offset = OFFSET_BEGINNING
         consumer.assign(assigned)
         self._held = {(tp.topic, tp.partition) for tp in assigned}
+        self._assigned = frozenset((self.backend.logical(tp.topic), tp.partition) for tp in assigned)
 
     async def poll(self, timeout_s: float, max_records: int) -> list[RawRecord]:
         messages = await asyncio.to_thread(_take, self._consumer, timeout_s, max_records)
