@@ -27,13 +27,20 @@ for plain and streamed chat completions, side by side in one run:
   model's next answer; through the gateway it appends a ``GatewayToolResultReported`` besides
   the answer's record (alongside the engine call, so not on its path).
 
-Direct and gateway rounds alternate in blocks of 20 (every other block in reverse order) so that
-drift on a shared machine hits both.
-Added latency is gateway minus direct, per percentile. The gateway's share is one durable
-append (``GatewayLLMCallServed``; ``acks=all`` on Kafka, a commit on Postgres) per request,
-plus parsing and re-encoding: the header line gives that append's own p50/p99
-(``SharedLog.append_many`` of one record, measured in the same run, in a namespace of its own)
-and the machine's load average, to read the rest by.
+Beside them, the path ``passthrough``: the same requests through ``bench.passthrough``, an aiohttp
+server in a process of its own that forwards each request to the same engine and does nothing
+else. Its added latency is the floor of the hop itself (two more HTTP exchanges, the JSON parsed
+and written again), which any gateway in front of the engine pays.
+
+Direct, pass-through and gateway rounds alternate in blocks of 20 (every other block in reverse
+order) so that drift on a shared machine hits all of them.
+Added latency is a path minus direct, per percentile. The gateway's share beyond the hop is one
+durable append (``GatewayLLMCallServed``; ``acks=all`` on Kafka, a commit on Postgres) per request
+plus its own bookkeeping. The header lines give that append's own p50/p99 (``SharedLog.append_many``
+of one record with the gateway's producer settings, measured in the same run, in a namespace of
+its own), the CPU time each of the stack's processes spent per gateway request over the run (the
+planner, decider and executor react to every record the gateway appends, on the same cores), and
+the machine's load average, to read the rest by.
 """
 
 from __future__ import annotations
@@ -44,10 +51,13 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,8 +67,9 @@ import aiohttp
 from cli.common import ensure_topics
 from cli.stack import Stack
 from log import Draft, open_log
+from log.local_kafka import free_ports
 from schemas import events as ev
-from workers.gateway import SESSION_HEADER
+from workers.gateway import SESSION_HEADER, GatewayWorker
 
 BLOCK = 20
 
@@ -112,27 +123,41 @@ BASELINE = " (baseline)"
 """The label of the paths through ``--baseline``'s stack."""
 
 
-class Bench:
-    """Requests to each stack's engine (``direct``) and gateway; ``targets``: label ("" or
-    ``BASELINE``) -> (engine URL, gateway URL)."""
+KINDS = ("direct", "passthrough", "gateway")
+"""The paths of a stack: the engine itself, through ``bench.passthrough``, through the gateway."""
 
-    def __init__(self, targets: dict[str, tuple[str, str]], key: str) -> None:
-        self.targets = {
-            label: (f"{e}/v1/chat/completions", f"{g}/chat/completions") for label, (e, g) in targets.items()
+
+def _kind(path: str) -> str:
+    return next(kind for kind in KINDS if path.startswith(kind))
+
+
+class Bench:
+    """Requests to each stack's engine (``direct``), pass-through and gateway; ``targets``: label
+    ("" or ``BASELINE``) -> kind (of ``KINDS``) -> base URL (a stack may have no pass-through)."""
+
+    def __init__(self, targets: dict[str, dict[str, str]], key: str) -> None:
+        self.urls = {
+            (kind, label): f"{url}/chat/completions" if kind == "gateway" else f"{url}/v1/chat/completions"
+            for label, urls in targets.items()
+            for kind, url in urls.items()
         }
-        self.paths = [f"{kind}{label}" for label in self.targets for kind in ("direct", "gateway")]
+        self.paths = [f"{kind}{label}" for label in targets for kind in KINDS if (kind, label) in self.urls]
         self.key = key
         self.run = uuid.uuid4().hex[:6]
         self.counter = 0
+        self.sent = dict.fromkeys(self.paths, 0)
+        """Requests sent per path, every round and warm-up included (for CPU per request)."""
 
     def request(self, path: str, stream: bool) -> tuple[str, dict[str, Any], dict[str, str]]:
         self.counter += 1
+        self.sent[path] += 1
         body = _body(self.counter, self.run, stream)
         session = f"bench-{self.run}-{self.counter}"
-        engine, gateway = self.targets[path.removeprefix("direct").removeprefix("gateway")]
-        if path.startswith("direct"):
-            return engine, {**body, "session_id": session, "request_id": f"{session}/llm-0"}, {}
-        return gateway, body, {"Authorization": f"Bearer {self.key}", SESSION_HEADER: session}
+        kind = _kind(path)
+        url = self.urls[(kind, path.removeprefix(kind))]
+        if kind != "gateway":
+            return url, {**body, "session_id": session, "request_id": f"{session}/llm-0"}, {}
+        return url, body, {"Authorization": f"Bearer {self.key}", SESSION_HEADER: session}
 
     def _order(self, start: int) -> list[str]:
         """The paths of the block starting at request ``start``: every other block in reverse, so that
@@ -159,7 +184,8 @@ class Bench:
                         message = (await response.json())["choices"][0]["message"]
                     result = {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "echoed"}
                     follow = {**asked, "messages": [*asked["messages"], message, result], "tool_choice": "none"}
-                    if path.startswith("direct"):
+                    self.sent[path] += 1
+                    if _kind(path) != "gateway":
                         follow["request_id"] = f"{body['session_id']}/llm-2"
                     out[path].append(await _one(http, url, follow, headers))
         return out
@@ -195,10 +221,11 @@ class Bench:
 
 
 async def append_latency(log_url: str, namespace: str, n: int) -> tuple[float, float]:
-    """p50 and p99 ms of one durable append, as the gateway makes one per request."""
+    """p50 and p99 ms of one durable append, as the gateway makes one per request (its producer's
+    settings: no linger)."""
     body = ev.GatewayToolResultReported(call_id="tool-1", tool_call_id="c", result_json="1", result_tokens=1, gap_ms=0)
     times = []
-    async with open_log(log_url, actor="gateway", namespace=namespace) as log:
+    async with open_log(log_url, actor="gateway", namespace=namespace, linger_ms=GatewayWorker.linger_ms) as log:
         for i in range(n):
             began = time.perf_counter()
             await log.append_many([Draft(f"s{i}", body, str(uuid.uuid4()))])
@@ -213,14 +240,15 @@ def table(rounds: list[Round]) -> str:
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     by = {(r.path, r.mode): r for r in rounds}
-    labels = list(dict.fromkeys(r.path.removeprefix("direct").removeprefix("gateway") for r in rounds))
+    paths = list(dict.fromkeys(r.path for r in rounds))
     for mode in ("plain", "stream", "tool result"):
-        for path in [f"{kind}{label}" for label in labels for kind in ("direct", "gateway")]:
+        for path in paths:
             r = by[(path, mode)]
-            direct = by[(path.replace("gateway", "direct", 1), mode)]
+            kind = _kind(path)
+            direct = by[("direct" + path.removeprefix(kind), mode)]
             added = (
                 (f"{r.percentile(50) - direct.percentile(50):.2f}", f"{r.percentile(99) - direct.percentile(99):.2f}")
-                if path.startswith("gateway")
+                if kind != "direct"
                 else ("", "")
             )
             rps = "" if r.throughput_rps != r.throughput_rps else f"{r.throughput_rps:.0f}"  # NaN: not measured
@@ -248,9 +276,47 @@ def _stack(log_url: str, work: Path, key: str, args: argparse.Namespace, code: P
     )
 
 
-def run_on(log_url: str, args: argparse.Namespace) -> tuple[list[Round], float, float]:
-    """The rounds of one log (a stack of its own, in a fresh namespace; with ``--baseline``, one
-    more of that checkout's code, its paths alternating with this one's) and its append floor."""
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Run:
+    """What ``run_on`` measured on one log."""
+
+    rounds: list[Round]
+    append_p50: float
+    append_p99: float
+    cpu_ms: dict[str, float]
+    """This stack's processes -> CPU ms per gateway request over all rounds (the engine's covers
+    its direct and pass-through requests too)."""
+
+
+@contextlib.contextmanager
+def _passthrough(engine_url: str, work: Path) -> Iterator[str]:
+    """``bench.passthrough`` in a process of its own, in front of ``engine_url``; yields its URL."""
+    (port,) = free_ports(1)
+    with (work / "passthrough.log").open("ab") as out:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "bench.passthrough", "--engine-url", engine_url, "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_for(f"{url}/health")
+        yield url
+    finally:
+        popen.terminate()
+        popen.wait(10)
+
+
+def run_on(log_url: str, args: argparse.Namespace) -> Run:
+    """The rounds of one log (a stack of its own, in a fresh namespace, with a pass-through in front
+    of its engine; with ``--baseline``, one more stack of that checkout's code, its paths
+    alternating with this one's), its append floor and the CPU its processes spent."""
     key = uuid.uuid4().hex
     with tempfile.TemporaryDirectory() as work, contextlib.ExitStack() as running:
         stacks = {"": _stack(log_url, Path(work) / "this", key, args, None)}
@@ -266,12 +332,17 @@ def run_on(log_url: str, args: argparse.Namespace) -> tuple[list[Round], float, 
             finally:
                 os.chdir(here)
             _wait_for(stack.gateway_url.removesuffix("/v1") + "/health")
-        targets = {label: (stack.engine_url, stack.gateway_url) for label, stack in stacks.items()}
-        rounds = asyncio.run(Bench(targets, key).all_rounds(args.requests, args.concurrency, args.warmup))
+        targets = {label: {"direct": stack.engine_url, "gateway": stack.gateway_url} for label, stack in stacks.items()}
+        targets[""]["passthrough"] = running.enter_context(_passthrough(stacks[""].engine_url, Path(work)))
+        bench = Bench(targets, key)
+        pids = {name: process.pid for name, process in stacks[""].processes.items()}
+        before = {name: _cpu_s(pid) for name, pid in pids.items()}
+        rounds = asyncio.run(bench.all_rounds(args.requests, args.concurrency, args.warmup))
+        cpu_ms = {name: (_cpu_s(pid) - before[name]) * 1000 / bench.sent["gateway"] for name, pid in pids.items()}
         floor_namespace = f"bench{uuid.uuid4().hex[:8]}"
         ensure_topics(log_url, namespace=floor_namespace)
         append_p50, append_p99 = asyncio.run(append_latency(log_url, floor_namespace, args.requests))
-    return rounds, append_p50, append_p99
+    return Run(rounds, append_p50, append_p99, cpu_ms)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -301,12 +372,15 @@ def main(argv: list[str] | None = None) -> None:
         logs["postgres"] = args.pg_url
     data = []
     for name, log_url in logs.items():
-        rounds, append_p50, append_p99 = run_on(log_url, args)
+        run = run_on(log_url, args)
+        rounds, append_p50 = run.rounds, run.append_p50
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        print(f"\n{name}: gateway vs direct sim engine, {args.requests} requests per path and mode, "
+        cpu = ", ".join(f"{process} {ms:.2f}" for process, ms in run.cpu_ms.items())
+        print(f"\n{name}: gateway and pass-through vs direct sim engine, {args.requests} requests per path and mode, "
               f"throughput with {args.concurrency} concurrent clients; "
-              f"one durable append: p50 {append_p50:.2f} ms, p99 {append_p99:.2f} ms; "
-              f"load average {load} on {os.cpu_count()} CPUs")  # fmt: skip
+              f"one durable append: p50 {append_p50:.2f} ms, p99 {run.append_p99:.2f} ms; "
+              f"load average {load} on {os.cpu_count()} CPUs\n"
+              f"CPU ms per gateway request: {cpu}")  # fmt: skip
         print(table(rounds))
         data += [
             {
@@ -319,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
                 "p99_ms": r.percentile(99),
                 "mean_ms": statistics.fmean(r.latencies_ms),
                 "append_p50_ms": append_p50,
+                "cpu_ms_per_gateway_request": run.cpu_ms,
             }
             for r in rounds
         ]
