@@ -60,6 +60,7 @@ __all__ = [
     "prompt_estimate",
     "route_claim",
     "size_for_model",
+    "forgettable",
     "idle_sessions",
     "next_step",
     "prompt_digest",
@@ -310,6 +311,18 @@ def idle_sessions(last_seen: Mapping[str, float], busy: Iterable[str], now: floa
         return []
     skip = set(busy)
     due = [(t, sid) for sid, t in last_seen.items() if sid not in skip and now - t >= idle_timeout_s]
+    return [sid for _, sid in sorted(due)]
+
+
+def forgettable(since: Mapping[str, float], busy: Iterable[str], now: float, retain_s: float) -> list[str]:
+    """The sessions whose state the gateway may drop: ``since`` (seconds) maps each candidate to when
+    it ended (or, for a session that recorded nothing, when a request of it was last seen), and
+    ``retain_s`` has passed since; none with a request in flight (``busy``). Oldest first, then by id;
+    a ``retain_s`` below 0 forgets nothing."""
+    if retain_s < 0:
+        return []
+    skip = set(busy)
+    due = [(t, sid) for sid, t in since.items() if sid not in skip and now - t >= retain_s]
     return [sid for _, sid in sorted(due)]
 
 

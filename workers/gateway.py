@@ -53,6 +53,10 @@ when no request of it arrived for ``--idle-timeout-s`` and none is in flight
 ``/v1/sessions/{id}/finish``. A later request of an ended session gets 409
 ``session_finished`` (nothing appended; a re-sent request it recorded is still answered
 from the log): a finished session stays finished, so the client starts another session id.
+``--retain-ended-s`` (default an hour) after its end, the gateway forgets the session's calls and
+keeps only how it ended (``_forget``): its re-sent requests get 409 ``session_finished`` from then
+on, and the gateway's memory follows the sessions still going, not every session it ever served
+(verdicts are kept for its own sessions only; the records stay in the log).
 
 The gateway writes only agent.gateway and reads agent.gateway (its journal: steps,
 idempotency, released calls), agent.verdicts and agent.actions (only to refuse, with 409
@@ -65,7 +69,7 @@ a time (their steps are numbered in order).
 
 Run: ``python -m workers.gateway [--log-url URL] (--engine-url http://127.0.0.1:8100 |
 --engine ID=URL ... [--router locality|least_loaded|round_robin]) [--port 8200] [--models NAMES]
-[--api-keys-file FILE] [--max-requests-per-minute N] [--idle-timeout-s S]``.
+[--api-keys-file FILE] [--max-requests-per-minute N] [--idle-timeout-s S] [--retain-ended-s S]``.
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ from services.gateway import (
     RateLimiter,
     context_of,
     estimate_tokens,
+    forgettable,
     idle_sessions,
     last_served,
     llm_step_id,
@@ -172,6 +177,8 @@ class GatewaySession:
     time its answer was recorded stands in)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     ended: ev.GatewaySessionEnded | None = None
+    ended_at: float = 0.0
+    """When its end was recorded (epoch seconds of the log's clock): what ``--retain-ended-s`` counts from."""
     last_seen: float = 0.0
     """When a request of it last arrived or was answered (epoch seconds of the log's clock; after a
     restart, its last record's time): what the idle timeout counts from."""
@@ -237,6 +244,7 @@ class GatewayWorker(Worker):
         port: int = 8200,
         max_requests_per_minute: int = 600,
         idle_timeout_s: float = 3600.0,
+        retain_ended_s: float = 3600.0,
         scheduling: SchedulingConfig | None = None,
         pool: EnginePool | None = None,
         router: str = "locality",
@@ -264,8 +272,11 @@ class GatewayWorker(Worker):
         self.host, self.port = host, port
         self.limiter = RateLimiter(max_requests_per_minute)
         self.idle_timeout_s = idle_timeout_s
+        self.retain_ended_s = retain_ended_s
         self.scheduling = scheduling  # None: the engine request keeps whatever priority the client sent
         self.sessions: dict[str, GatewaySession] = {}
+        self.forgotten: dict[str, ev.GatewaySessionEnded] = {}
+        """Sessions ended more than ``retain_ended_s`` ago: only how they ended is kept (``_forget``)."""
         self.verdicts: dict[tuple[str, str], Verdict] = {}
         self.foreign: set[str] = set()
         """Sessions the planner runs a program for: a client may not drive them (409)."""
@@ -331,6 +342,13 @@ class GatewayWorker(Worker):
             help="end a session after this many seconds without a request (0: never)",
         )
         parser.add_argument(
+            "--retain-ended-s",
+            type=float,
+            default=float(env("AGENTLOG_GATEWAY_RETAIN_ENDED_S", "3600")),
+            help="keep an ended session's calls in memory this long, to answer its re-sent requests from them; "
+            "then only its end is kept and they get 409 session_finished (-1: keep every call of every session)",
+        )
+        parser.add_argument(
             "--scheduling",
             choices=SCHEDULING_MODES,
             default=None,
@@ -355,6 +373,7 @@ class GatewayWorker(Worker):
             port=args.port,
             max_requests_per_minute=args.max_requests_per_minute,
             idle_timeout_s=args.idle_timeout_s,
+            retain_ended_s=args.retain_ended_s,
             scheduling=scheduling_config(args.scheduling, default="off"),
             pool=pool,
             router=args.router,
@@ -386,6 +405,7 @@ class GatewayWorker(Worker):
                 except RecordError:
                     continue
                 self._fold(envelope.session_id, envelope.body, envelope.occurred_at)
+        self._forget(self.log.clock().timestamp())
 
     async def _engine_models(self) -> tuple[str, ...]:
         """Every model an engine lists (in engine order; an engine that does not answer lists none)."""
@@ -433,6 +453,8 @@ class GatewayWorker(Worker):
             await self._serve()
 
     def _fold(self, session_id: str, body: ev.Event, at: datetime) -> None:
+        if session_id in self.forgotten:
+            return  # a late verdict of a forgotten session: nothing reads it any more
         match body:
             case ev.SessionStarted() if body.program != GATEWAY_PROGRAM:
                 self.foreign.add(session_id)
@@ -443,8 +465,11 @@ class GatewayWorker(Worker):
                 self.session(session_id).gaps_ms.setdefault(body.call_id, body.gap_ms)
                 self.session(session_id).seen(at.timestamp())
             case ev.GatewaySessionEnded():
-                self.session(session_id).ended = self.session(session_id).ended or body
-            case ev.ToolCallCommitted() | ev.ToolCallAborted():
+                session = self.session(session_id)
+                if session.ended is None:
+                    session.ended, session.ended_at = body, at.timestamp()
+            case ev.ToolCallCommitted() | ev.ToolCallAborted() if session_id in self.sessions:
+                # (Only the gateway's own sessions: agent.verdicts carries every planner session's too.)
                 key = (session_id, body.call_id)
                 self.verdicts.setdefault(key, body)
                 for waiter in self._waiters.pop(key, []):
@@ -480,6 +505,8 @@ class GatewayWorker(Worker):
         _log.info("gateway: serving on http://%s:%d (models %s)", self.host, self.port, ", ".join(self.models))
         if self.idle_timeout_s > 0:
             self.alongside(self._end_idle_sessions(), "idle sessions")
+        if self.retain_ended_s >= 0:
+            self.alongside(self._forget_ended_sessions(), "ended sessions")
         self.ready.set()
 
     # ------------------------------------------------------------ session ends
@@ -502,6 +529,30 @@ class GatewayWorker(Worker):
                         reason = f"no request for {idle_s:.0f} s (idle timeout {self.idle_timeout_s:g} s)"
                         await self._end(session, "idle", reason)
 
+    async def _forget_ended_sessions(self) -> None:
+        """Forget, a few times per ``retain_ended_s``, the sessions it has passed for (``_forget``)."""
+        every = min(60.0, max(0.05, self.retain_ended_s / 4))
+        while True:
+            await asyncio.sleep(every)
+            self._forget(self.log.clock().timestamp())
+
+    def _forget(self, now: float) -> None:
+        """Drop what the gateway holds of the sessions ended ``retain_ended_s`` ago or more, keeping how
+        each ended (a request of it still gets 409 ``session_finished``, a finish still answers), and of
+        the sessions that recorded nothing and sent no request for as long (refused requests): so the
+        gateway's memory follows the sessions still going, not every session it ever served. Their
+        records stay in the log: ``logctl replay`` and ``audit`` read them there."""
+        since = {sid: s.ended_at for sid, s in self.sessions.items() if s.ended is not None}
+        since.update({sid: s.last_seen for sid, s in self.sessions.items() if s.ended is None and not s.calls})
+        busy = [sid for sid, s in self.sessions.items() if s.num_in_flight or s.lock.locked() or s.reporting]
+        for session_id in forgettable(since, busy, now, self.retain_ended_s):
+            session = self.sessions.pop(session_id)
+            for served in session.calls.values():
+                for call in tool_calls_of(served):
+                    self.verdicts.pop((session_id, call.call_id), None)
+            if session.ended is not None:
+                self.forgotten[session_id] = session.ended
+
     async def _end(self, session: GatewaySession, cause: str, reason: str) -> ev.GatewaySessionEnded:
         """Append the session's end (under its lock, so no request is in flight)."""
         if session.results_landed is not None:  # a request that failed at its engine left results landing
@@ -520,6 +571,8 @@ class GatewayWorker(Worker):
                 raise _bad_request("Invalid session id: letters, digits and ._:@- only, at most 200.", None)
             if session_id in self.foreign:
                 raise _not_external(session_id)
+            if (gone := self.forgotten.get(session_id)) is not None:
+                return _finished(session_id, gone)
             session = self.sessions.get(session_id)
             if session is None or not session.calls:
                 raise RequestError(
@@ -536,8 +589,7 @@ class GatewayWorker(Worker):
                 ended = session.ended or await self._end(session, "client", "finished by the client")
         finally:
             session.num_in_flight -= 1
-        body = {"id": session_id, "object": "agentlog.session", "status": "finished", "cause": ended.cause}
-        return web.json_response({**body, "reason": ended.reason, "num_llm_calls": ended.num_llm_calls})
+        return _finished(session_id, ended)
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "sessions": len(self.sessions)})
@@ -598,6 +650,8 @@ class GatewayWorker(Worker):
             return e.response()
         if session_id in self.foreign:
             return _not_external(session_id).response()
+        if (gone := self.forgotten.get(session_id)) is not None:
+            return _session_finished(session_id, gone).response()
         session = self.session(session_id)
         session.num_in_flight += 1
         try:
@@ -618,14 +672,7 @@ class GatewayWorker(Worker):
                 self.num_replayed += 1
                 return await self._respond(request, session_id, served, stream, body, replay=True)
             if session.ended is not None:
-                error = RequestError(
-                    409,
-                    f"Session {session_id} is finished ({session.ended.reason}); send later requests "
-                    f"under a new {SESSION_HEADER}.",
-                    type_="invalid_request_error",
-                    code="session_finished",
-                )
-                return error.response()
+                return _session_finished(session_id, session.ended).response()
             now = time.monotonic()
             if not self.limiter.allow(session_id, now):
                 retry = max(1, round(self.limiter.retry_after_s(session_id, now)))
@@ -1146,6 +1193,21 @@ class GatewayWorker(Worker):
             deltas = [{"content": refusal}] if refusal else []
         await self._send_tail(response, served, deltas, allowed, final_finish, body)
         return response
+
+
+def _session_finished(session_id: str, ended: ev.GatewaySessionEnded) -> RequestError:
+    return RequestError(
+        409,
+        f"Session {session_id} is finished ({ended.reason}); send later requests under a new {SESSION_HEADER}.",
+        type_="invalid_request_error",
+        code="session_finished",
+    )
+
+
+def _finished(session_id: str, ended: ev.GatewaySessionEnded) -> web.Response:
+    """The answer of ``/v1/sessions/{id}/finish`` for a session that has ended."""
+    body = {"id": session_id, "object": "agentlog.session", "status": "finished", "cause": ended.cause}
+    return web.json_response({**body, "reason": ended.reason, "num_llm_calls": ended.num_llm_calls})
 
 
 def _not_external(session_id: str) -> RequestError:

@@ -102,14 +102,15 @@ def state_of(gateway: GatewayWorker) -> dict[str, Any]:
 class Running:
     """One gateway process's worth: a GatewayWorker on its own SharedLog, serving on a port."""
 
-    def __init__(self, log_url: str, namespace: str, engine_url: str) -> None:
+    def __init__(self, log_url: str, namespace: str, engine_url: str, **options: Any) -> None:
         self.log_url, self.namespace, self.engine_url = log_url, namespace, engine_url
+        self.options = options  # more GatewayWorker arguments
         self.port = free_port()
 
     async def __aenter__(self) -> GatewayWorker:
         self.log = await open_log(self.log_url, actor="gateway", namespace=self.namespace).start()
         self.worker = GatewayWorker(
-            self.log, engine_url=self.engine_url, models=("sim",), port=self.port, poll_timeout_s=0.1
+            self.log, engine_url=self.engine_url, models=("sim",), port=self.port, poll_timeout_s=0.1, **self.options
         )
         await self.worker.__aenter__()
         await asyncio.wait_for(self.worker.ready.wait(), 60)
@@ -243,3 +244,55 @@ async def journal_of(log: SharedLog) -> list[LoggedEvent]:
         async for record in log.scan(AGENT_GATEWAY.name, partition, 0, end):
             out.append(LoggedEvent(record.position, log.decode(record)))
     return out
+
+
+def test_an_ended_session_is_forgotten_after_the_retention_and_its_requests_still_get_409(
+    log_url: str, namespace: str, engine_url: str
+) -> None:
+    """``retain_ended_s`` after a session's end the gateway drops its calls (and its verdicts) and
+    keeps how it ended: a re-sent request gets 409 ``session_finished`` (nothing appended, the engine
+    not called), a finish still answers; a session still going keeps everything. A restarted gateway
+    forgets the same sessions while it reads the journal."""
+
+    async def scenario() -> None:
+        await init_log(log_url, 2, namespace=namespace)
+        plain = {"messages": [{"role": "user", "content": "What is an event log?"}]}
+        asked = {"messages": [{"role": "user", "content": "Echo hi."}], "tools": [ECHO], "tool_choice": USE_ECHO}
+        async with (
+            aiohttp.ClientSession() as http,
+            open_log(log_url, actor="decider", namespace=namespace) as decider,
+        ):
+            async with Running(log_url, namespace, engine_url, retain_ended_s=0.3) as gateway:
+                base = f"http://127.0.0.1:{gateway.port}/v1"
+                calling = asyncio.ensure_future(post(http, f"{base}/chat/completions", "s-done", asked))
+                await asyncio.sleep(0.5)
+                await append_verdict(decider, "s-done", "tool-1")
+                await append_verdict(decider, "planner-run", "tool-1")  # not the gateway's: not kept
+                await calling
+                await post(http, f"{base}/chat/completions", "s-going", plain)
+                async with http.post(f"{base}/sessions/s-done/finish") as r:
+                    assert r.status == 200
+                    finished = await r.json()
+                assert ("s-done", "tool-1") in gateway.verdicts
+                assert ("planner-run", "tool-1") not in gateway.verdicts
+                deadline = time.monotonic() + 30
+                while "s-done" in gateway.sessions:  # the forgetting task runs every 0.075 s here
+                    assert time.monotonic() < deadline, "the ended session was never forgotten"
+                    await asyncio.sleep(0.05)
+                assert gateway.forgotten["s-done"].cause == "client"
+                assert ("s-done", "tool-1") not in gateway.verdicts
+                assert gateway.sessions["s-going"].calls, "a session still going keeps its calls"
+                records, engine_calls = len(await journal_of(decider)), gateway.num_engine_requests
+                async with http.post(
+                    f"{base}/chat/completions", json={"model": "sim", **asked}, headers={SESSION_HEADER: "s-done"}
+                ) as r:
+                    assert r.status == 409 and (await r.json())["error"]["code"] == "session_finished"
+                async with http.post(f"{base}/sessions/s-done/finish") as r:
+                    assert r.status == 200 and await r.json() == finished
+                assert len(await journal_of(decider)) == records and gateway.num_engine_requests == engine_calls
+
+            async with Running(log_url, namespace, engine_url, retain_ended_s=0.3) as again:
+                assert "s-done" not in again.sessions and again.forgotten["s-done"].cause == "client"
+                assert again.sessions["s-going"].calls
+
+    asyncio.run(scenario())

@@ -18,6 +18,7 @@ from services.gateway import (
     adopt_results,
     adoption_problems,
     context_of,
+    forgettable,
     idle_sessions,
     last_served,
     locate_served,
@@ -216,6 +217,15 @@ def test_idle_sessions_are_those_without_a_request_for_the_timeout_and_none_in_f
     assert idle_sessions(last_seen, busy=(), now=160.0, idle_timeout_s=0) == [], "0: never"
     assert idle_sessions(last_seen, busy=(), now=160.0, idle_timeout_s=-1) == []
     assert idle_sessions({}, busy=(), now=160.0, idle_timeout_s=60.0) == []
+
+
+def test_forgettable_sessions_are_those_past_the_retention_and_none_in_flight() -> None:
+    since = {"a": 100.0, "b": 50.0, "c": 140.0, "d": 10.0}  # when each ended (or was last seen)
+    assert forgettable(since, busy={"d"}, now=160.0, retain_s=60.0) == ["b", "a"]  # oldest first
+    assert forgettable(since, busy=(), now=160.0, retain_s=60.0) == ["d", "b", "a"]
+    assert forgettable({"x": 100.0, "w": 100.0}, busy=(), now=160.0, retain_s=60.0) == ["w", "x"]
+    assert forgettable(since, busy=(), now=160.0, retain_s=0) == ["d", "b", "a", "c"], "0: at once"
+    assert forgettable(since, busy=(), now=160.0, retain_s=-1) == [], "below 0: never"
 
 
 def test_adoption_copies_the_recorded_priority_onto_the_calls_start() -> None:
