@@ -150,8 +150,7 @@ class ExecutorWorker(SessionWorker):
 
     async def _record_reported(self, state: SessionState) -> None:
         """A gateway session's calls are run by its client, never here: record what it reported."""
-        for a in adopt_results(state):
-            await self.append(a.session_id, a.body, kind=a.kind, key=a.key, cause=a.cause)
+        await self.append_all(adopt_results(state))
 
     async def resume(self, state: SessionState) -> None:
         if state.program == GATEWAY_PROGRAM:

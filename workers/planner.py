@@ -364,8 +364,7 @@ class PlannerWorker(SessionWorker):
     async def _append_all(self, appends: list[Append], *, for_session: str | None = None) -> None:
         """Append what ``services.decide`` says carries a move out, in order (``for_session``:
         the session whose move it is, when the appends are another's: a fork's start)."""
-        for a in appends:
-            await self.append(a.session_id, a.body, kind=a.kind, key=a.key, cause=a.cause, for_session=for_session)
+        await self.append_all(appends, for_session=for_session)
 
     # ------------------------------------------------- checkpoint, fork, merge
 

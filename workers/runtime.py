@@ -22,15 +22,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from log import Draft, DuplicateVerdict, LoggedEvent, RecordError, SharedLog, UnknownSession
 from log.backend import Membership
 from log.consumer import EventConsumer
 from log.errors import BackendUnavailable
 from log.snapshots import SnapshotStore
+from log.topics import topic_of
 from schemas.envelope import Envelope
 from schemas.events import Event, SessionRequested
+from services.decide import Append
 from services.marks import IN_FLIGHT
 from services.session import SessionState, ToolStatus
 from workers.config import default_mark_every
@@ -53,6 +55,11 @@ then the worker fails (and is restarted): the producer's own 120 s before bounde
 class _InDoubt(Exception):
     """The group's word on this member went stale between ``_confirm_owner`` and the hand-over,
     or a new assignment has not reached the log yet (``EventConsumer.assignment_seen``)."""
+
+
+def _same_run(a: Append, b: Append) -> bool:
+    """Whether ``a`` may go in one ``append_many`` with ``b``: the same session, the same topic."""
+    return a.session_id == b.session_id and topic_of(a.body) is topic_of(b.body)
 
 
 def event_id(session_id: str, kind: str, key: str = "") -> str:
@@ -149,19 +156,35 @@ class SessionWorker(MarkRecovery, Worker):
         session's chain now, and two writers of one chain give it a seq twice (on Kafka, which
         refuses nothing, every reader then sets aside the rest of the chain).
         """
-        owner = for_session or session_id
-        eid = event_id(session_id, kind, key)
-        # The time is read from the log's clock here and stamped on the record, so that our
-        # fold and every reader's fold of this event see the same occurred_at.
+        await self.append_all([Append(session_id, body, kind, key, cause)], for_session=for_session)
+
+    async def append_all(self, appends: Sequence[Append], *, for_session: str | None = None) -> None:
+        """``append`` each of ``appends`` in order: the events of one session and topic that follow one
+        another go in one ``SharedLog.append_many`` (one hand-over, one durable wait, as for one event), each
+        with its deterministic id; then each is folded, in order. A crash between the hand-over and
+        the acknowledgement leaves the run landed or not, or a prefix of it (one partition, one
+        producer); redoing the move appends what is missing, as for one event."""
+        start = 0
+        while start < len(appends):
+            first, end = appends[start], start + 1
+            while end < len(appends) and _same_run(appends[end], first):
+                end += 1
+            await self._append_run(appends[start:end], for_session or first.session_id)
+            start = end
+
+    async def _append_run(self, appends: Sequence[Append], owner: str) -> None:
+        # The time is read from the log's clock here and stamped on the records, so that our
+        # fold and every reader's fold of these events see the same occurred_at.
         occurred_at = self.log.clock()
-        draft = Draft(session_id, body, eid, cause, occurred_at)
+        ids = [event_id(a.session_id, a.kind, a.key) for a in appends]
+        drafts = [Draft(a.session_id, a.body, eid, a.cause, occurred_at) for a, eid in zip(appends, ids, strict=True)]
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + APPEND_RETRY_S
         backoff = APPEND_BACKOFF_S
         while True:
             await self._confirm_owner(owner)
             try:
-                await self.log.append_many([draft], guard=self._writable(owner))
+                await self.log.append_many(drafts, guard=self._writable(owner))
                 break
             except _InDoubt:
                 await asyncio.sleep(MEMBERSHIP_POLL_S)  # then _confirm_owner waits for the group's word
@@ -172,23 +195,24 @@ class SessionWorker(MarkRecovery, Worker):
                 # did (same event id). Meanwhile the group may have moved on: asked again first.
                 if loop.time() + backoff > give_up_at:
                     raise
-                _log.warning("%s: append for %s not delivered, again in %.1f s", self.role, session_id, backoff)
+                _log.warning("%s: append for %s not delivered, again in %.1f s", self.role, owner, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, APPEND_BACKOFF_MAX_S)
-        # Fold our own write now; reading it back later is a no-op (same event id).
-        self.state(session_id).apply(
-            Envelope.model_construct(
-                event_id=eid,
-                session_id=session_id,
-                seq=-1,
-                actor=self.log.actor,
-                occurred_at=occurred_at,
-                causation_id=cause,
-                prev_hash=b"",
-                body=body,
-                hash=b"",
+        # Fold our own writes now; reading them back later is a no-op (same event ids).
+        for a, eid in zip(appends, ids, strict=True):
+            self.state(a.session_id).apply(
+                Envelope.model_construct(
+                    event_id=eid,
+                    session_id=a.session_id,
+                    seq=-1,
+                    actor=self.log.actor,
+                    occurred_at=occurred_at,
+                    causation_id=a.cause,
+                    prev_hash=b"",
+                    body=a.body,
+                    hash=b"",
+                )
             )
-        )
 
     async def _confirm_owner(self, session_id: str) -> None:
         """``_check_owner``, and that the group still counts this member, whose partitions it
