@@ -289,9 +289,9 @@ class Run:
     rounds: list[Round]
     append_p50: float
     append_p99: float
-    cpu_ms: dict[str, float]
-    """This stack's processes -> CPU ms per gateway request over all rounds (the engine's covers
-    its direct and pass-through requests too)."""
+    cpu_ms: dict[str, dict[str, float]]
+    """Stack label ("" or ``BASELINE``) -> its processes -> CPU ms per gateway request over all
+    rounds (an engine's covers its direct and pass-through requests too)."""
 
 
 @contextlib.contextmanager
@@ -335,10 +335,12 @@ def run_on(log_url: str, args: argparse.Namespace) -> Run:
         targets = {label: {"direct": stack.engine_url, "gateway": stack.gateway_url} for label, stack in stacks.items()}
         targets[""]["passthrough"] = running.enter_context(_passthrough(stacks[""].engine_url, Path(work)))
         bench = Bench(targets, key)
-        pids = {name: process.pid for name, process in stacks[""].processes.items()}
-        before = {name: _cpu_s(pid) for name, pid in pids.items()}
+        pids = {(label, name): p.pid for label, stack in stacks.items() for name, p in stack.processes.items()}
+        before = {key: _cpu_s(pid) for key, pid in pids.items()}
         rounds = asyncio.run(bench.all_rounds(args.requests, args.concurrency, args.warmup))
-        cpu_ms = {name: (_cpu_s(pid) - before[name]) * 1000 / bench.sent["gateway"] for name, pid in pids.items()}
+        cpu_ms: dict[str, dict[str, float]] = {label: {} for label in stacks}
+        for (label, name), pid in pids.items():
+            cpu_ms[label][name] = (_cpu_s(pid) - before[(label, name)]) * 1000 / bench.sent[f"gateway{label}"]
         floor_namespace = f"bench{uuid.uuid4().hex[:8]}"
         ensure_topics(log_url, namespace=floor_namespace)
         append_p50, append_p99 = asyncio.run(append_latency(log_url, floor_namespace, args.requests))
@@ -375,7 +377,10 @@ def main(argv: list[str] | None = None) -> None:
         run = run_on(log_url, args)
         rounds, append_p50 = run.rounds, run.append_p50
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        cpu = ", ".join(f"{process} {ms:.2f}" for process, ms in run.cpu_ms.items())
+        cpu = "; ".join(
+            f"{label.strip() or 'this'}: " + ", ".join(f"{process} {ms:.2f}" for process, ms in by_process.items())
+            for label, by_process in run.cpu_ms.items()
+        )
         print(f"\n{name}: gateway and pass-through vs direct sim engine, {args.requests} requests per path and mode, "
               f"throughput with {args.concurrency} concurrent clients; "
               f"one durable append: p50 {append_p50:.2f} ms, p99 {run.append_p99:.2f} ms; "
