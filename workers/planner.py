@@ -74,7 +74,6 @@ from services.checkpoint import (
     merge_waits,
 )
 from services.decide import (
-    Append,
     checkpoint_taken,
     decide,
     engine_failed,
@@ -317,7 +316,7 @@ class PlannerWorker(SessionWorker):
         """Carry out one move; True when there may be another one right away."""
         if state.program == GATEWAY_PROGRAM:
             # An external agent's session: no program here, only the gateway's records to adopt.
-            await self._append_all(adopt(state, self.tools))
+            await self.append_all(adopt(state, self.tools))
             return False
         await self._fork_requests(state)
         program = self.programs.get(state.program)
@@ -331,14 +330,14 @@ class PlannerWorker(SessionWorker):
             case CutCheckpoint():
                 await self._checkpoint(state, move)
             case ProposeCompensations():
-                await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
+                await self.append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
                 crash_point("planner.after_compensations")
             case ApplyRestore():
                 crash_point("planner.before_restore")
                 checkpoint = state.checkpoints[move.plan.checkpoint_id]
                 history = await self.log.history(sid)
                 num_abandoned = len(after_cut(cut_events(history), checkpoint.taken.cut))
-                await self._append_all([restore_applied(state, move, num_abandoned)])
+                await self.append_all([restore_applied(state, move, num_abandoned)])
                 _log.info("session %s restored to %s", sid, move.plan.checkpoint_id)
             case MergeBranches():
                 return await self._merge(state, move.branch_session_ids, cause=move.cause, key=move.cause or "")
@@ -351,27 +350,22 @@ class PlannerWorker(SessionWorker):
             case CallEngine():
                 await self._call_engine(state, move)
             case ProposeTool():
-                await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
+                await self.append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
                 crash_point("planner.after_proposed")
             case FailSession():
                 _log.warning("session %s fails: %s (%s)", sid, move.reason, move.error_type)
-                await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
+                await self.append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
             case StartSession() | RefuseRestore() | FinishSession():
-                await self._append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
+                await self.append_all(decide(state, move, engine_id=self.engine.engine_id, tools=self.tools))
         self._learn(state)
         return True
-
-    async def _append_all(self, appends: list[Append], *, for_session: str | None = None) -> None:
-        """Append what ``services.decide`` says carries a move out, in order (``for_session``:
-        the session whose move it is, when the appends are another's: a fork's start)."""
-        await self.append_all(appends, for_session=for_session)
 
     # ------------------------------------------------- checkpoint, fork, merge
 
     async def _checkpoint(self, state: SessionState, move: CutCheckpoint) -> None:
         """Cut the session's log here, fold it, store a snapshot, append CheckpointTaken."""
         body = await take_checkpoint(self.log, self.snapshots, state.session_id, move.checkpoint_id)
-        await self._append_all([checkpoint_taken(state, move, body)])
+        await self.append_all([checkpoint_taken(state, move, body)])
         crash_point("planner.after_checkpoint")
 
     async def _inherit(self, state: SessionState) -> None:
@@ -407,7 +401,7 @@ class PlannerWorker(SessionWorker):
     async def _create_fork(
         self, parent: SessionState, fork_id: str, checkpoint_id: CheckpointId, cut: dict[str, int], args_json: str
     ) -> None:
-        await self._append_all(
+        await self.append_all(
             fork_created(parent, fork_id, checkpoint_id, cut, args_json), for_session=parent.session_id
         )
         if self.log.partition_for(fork_id) in self._ready:
@@ -429,7 +423,7 @@ class PlannerWorker(SessionWorker):
         crash_point("planner.before_merge")
         if plan.conflicted:
             _log.warning("merge into %s conflicts: %s", sid, "; ".join(plan.conflicts))
-        await self._append_all([outcome])
+        await self.append_all([outcome])
         return True
 
     async def _merge_waiters(self, branches: dict[str, SessionState], limit: int = 64) -> dict[str, SessionState]:
@@ -454,7 +448,7 @@ class PlannerWorker(SessionWorker):
             # Ranked before the start is logged, so that LLMCallStarted records what the request carries.
             ranked = await self.prioritize(state)
             appends = decide(state, move, engine_id=self.engine.engine_id, tools=self.tools, priority=ranked)
-            await self._append_all(appends)
+            await self.append_all(appends)
             crash_point("planner.after_llm_started")
             priority = None if ranked is None else ranked.priority
         else:
@@ -462,7 +456,7 @@ class PlannerWorker(SessionWorker):
         try:
             completion = await self._complete(sid, move, priority)
         except EngineError as e:
-            await self._append_all([engine_failed(state, str(e))])
+            await self.append_all([engine_failed(state, str(e))])
             return
         await self._completed(state, move, completion)
 
@@ -482,7 +476,7 @@ class PlannerWorker(SessionWorker):
             decode_ms=completion.decode_ms,
             tool_calls_json=ModelToolCall.list_to_json(completion.tool_calls),
         )
-        await self._append_all([llm_completed(state, move, completed)])
+        await self.append_all([llm_completed(state, move, completed)])
         crash_point("planner.after_llm_completed")
 
     # ------------------------------------------------------------ several engines
@@ -504,7 +498,7 @@ class PlannerWorker(SessionWorker):
         if not move.resume:
             ranked = await self.prioritize(state)
             appends = decide(state, move, engine_id=ev.EngineId(engine_id), tools=self.tools, priority=ranked)
-            await self._append_all(appends)
+            await self.append_all(appends)
             crash_point("planner.after_llm_started")
             priority = None if ranked is None else ranked.priority
         else:
@@ -532,7 +526,7 @@ class PlannerWorker(SessionWorker):
                     continue
                 if now >= deadline:
                     reason = f"no engine reachable for {self.engine_patience_s:g} s: {e}"
-                    await self._append_all([engine_failed(state, reason)])
+                    await self.append_all([engine_failed(state, reason)])
                     return
                 delay = ENGINE_RETRY_S[min(waits, len(ENGINE_RETRY_S) - 1)]
                 _log.warning("no engine reachable (%s); retrying %s in %.1f s", e, move.request_id, delay)
@@ -540,7 +534,7 @@ class PlannerWorker(SessionWorker):
                 waits += 1
                 continue
             except EngineError as e:
-                await self._append_all([engine_failed(state, str(e))])
+                await self.append_all([engine_failed(state, str(e))])
                 return
             finally:
                 pool.end(asked, tokens)
