@@ -73,9 +73,10 @@ Policies
   starts and completions, the engine's KV events as the engine bridge appends them, session
   ends) and nothing else: no queue length, no engine state. Its decisions are carried out as
   the sim server does (``CacheControl.apply``, charged like every transfer); a call that does
-  not fit gets the sim server's pressure valve (the pin the manager scored lowest is
-  released). It decides at tool gaps, session ends, under pressure at each ``LLMCallStarted``
-  (keeping the largest call's headroom after pins), and at TTL ends and SWAP re-looks once the
+  not fit gets the sim server's pressure valve (the pin the manager scored lowest goes to
+  the host tier, or is released when the host has no room). It decides at tool gaps, session
+  ends, under pressure at each ``LLMCallStarted`` (no headroom kept ahead: the engine has a
+  host tier), and at TTL ends and SWAP re-looks once the
   log's time passes them (the first event after them); a PREFETCH brings host blocks back
   and pins them with its TTL.
 - ``ours+plas``: ``ours`` plus program-level scheduling (``bench/ours.py``, ``OursPlas``): each

@@ -21,9 +21,10 @@ Every decision the manager returns is turned into its log event (``Decided.to_ev
 ``ttl_ms`` rounded as the log has it) and carried out at once by ``Sim.carry_out``, the sim
 server's ``/kv_control`` mapping (``CacheControl.apply``), its transfer charged to the engine.
 A call that does not fit gets the sim server's **pressure valve**
-(``CacheControl.release_lowest_pin``: the pin the manager scored lowest goes), one pin per
-``make_room``. The manager re-decides at TTL ends and SWAP re-looks when the log's time
-passes them, i.e. at the first event after them, as the worker does.
+(``CacheControl.relieve``: the pin the manager scored lowest goes to the host tier when it
+fits there, else it is released; the engine pays the transfer), one pin per ``make_room``.
+The manager re-decides at TTL ends and SWAP re-looks when the log's time passes them, i.e.
+at the first event after them, as the worker does.
 """
 
 from __future__ import annotations
@@ -186,7 +187,14 @@ class Ours(SimManager):
 
     def make_room(self, needed: int, now: float, requester: Sess) -> bool:
         self._kv_events(now)
-        return self.sim.control.release_lowest_pin(requester.sid) is not None
+        relieved = self.sim.control.relieve(requester.sid)
+        if relieved is None:
+            return False
+        moved, sid = relieved.swapped_blocks, relieved.session_id
+        if moved:  # as the sim server does: the engine pays the transfer
+            self.sim.on_host[sid] = self.sim.on_host.get(sid, 0) + moved
+            self.sim.transfer(moved, now)
+        return True
 
 
 class OursPlas(Ours):

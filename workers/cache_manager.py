@@ -233,10 +233,18 @@ class CacheManagerWorker(Worker):
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         env = os.environ.get
         parser.add_argument("--gpu-blocks", type=int, default=int(env("AGENTLOG_CACHE_GPU_BLOCKS", "4096")))
-        parser.add_argument("--host-blocks", type=int, default=int(env("AGENTLOG_CACHE_HOST_BLOCKS", "4096")))
+        parser.add_argument(
+            "--host-blocks",
+            type=int,
+            default=int(env("AGENTLOG_CACHE_HOST_BLOCKS", "0")),
+            help="the engine's host tier (its --host-blocks; 0: none, as vLLM's here)",
+        )
         parser.add_argument("--block-size", type=int, default=16)
         parser.add_argument(
-            "--headroom-blocks", type=int, default=None, help="blocks pins leave free (default: the largest call seen)"
+            "--headroom-blocks",
+            type=int,
+            default=None,
+            help="blocks pins leave free (default: the largest call seen without a host tier, 0 with one)",
         )
         parser.add_argument("--engine-id", default=env("AGENTLOG_ENGINE_ID", "sim-0"))
         parser.add_argument(

@@ -51,7 +51,8 @@ events after a restart appends nothing twice):
   engine frees what it needs, LRU). The swapped sessions are its host residents, with the
   host blocks the host is charged for them.
   **Headroom**: after any PRESERVE, pins must leave ``headroom`` blocks free (default:
-  the largest call seen so far), else the same eviction runs until they do (the new pin
+  the largest call seen so far on an engine without a host tier, none with one: see
+  ``ManagerConfig.headroom_blocks``), else the same eviction runs until they do (the new pin
   competes like the others; its eviction is a second decision of the same trigger, kind
   ``pressure``). Decisions reach the engine through the log, after the planner has sent
   the call: room has to be kept ahead of the call, not made when it starts.
@@ -164,8 +165,11 @@ class ManagerConfig:
     block_size: int = 16
     engine_id: str = "sim-0"
     headroom_blocks: int | None = None
-    """GPU blocks a PRESERVE must leave free of pins for the next call; None: the largest
-    call seen so far (``need`` of an ``LLMCallStarted``)."""
+    """GPU blocks a PRESERVE must leave free of pins for the next call. None: the largest call
+    seen so far (``need`` of an ``LLMCallStarted``) on an engine without a host tier, whose
+    pressure valve can only release a pin (its KV is then recomputed); none with a host tier,
+    whose valve moves the lowest-ranked pin there when a call needs the room
+    (``services.engine.control``): room kept ahead would move pins that no call needs moved."""
     forget_after_s: float = 3600.0
     """How long (manager seconds) a forgotten session's tombstone stays: its late events are
     recognised as such until then (see the module docstring)."""
@@ -453,7 +457,9 @@ class CacheManager:
     def headroom(self) -> int:
         """Blocks a PRESERVE leaves free of pins for the next call."""
         h = self.config.headroom_blocks
-        return self._max_need if h is None else h
+        if h is not None:
+            return h
+        return self._max_need if self.config.host_total_blocks == 0 else 0
 
     def _decide(self, trigger_id: str, kind: str, sid: SessionId, s: _Session, now: float, out: list[Decided]) -> None:
         if s.hold is Hold.ACTIVE:

@@ -11,20 +11,36 @@ engine does. Pure: ``now`` and the TTL come in already on the cache's clock.
 - ``SWAP``: move them to the host tier (the pin goes with them);
 - ``PREFETCH``: bring the host blocks back to GPU, then pin like a ``PRESERVE``.
 
-The decision's score is kept for every pin: the **pressure valve**
-(``release_lowest_pin``) releases, for a call that does not fit, the pin the cache
-manager ranked lowest (its score; then the earliest expiry; then the session id), so a
-pin never makes a call fail.
+The decision's score is kept for every pin: the **pressure valve** (``relieve``) takes,
+for a call that does not fit, the pin the cache manager ranked lowest (its score; then the
+earliest expiry; then the session id), so a pin never makes a call fail. It moves that
+session's blocks to the host tier when the host has room for them (its next call swaps them
+back in instead of recomputing them; the engine pays the transfer), and releases the pin
+otherwise (the blocks stay cached, LRU-evictable, and are usually lost). Moving only when a
+call needs the room, and only the lowest-ranked pin, is what lets the cache manager leave no
+room ahead of calls on an engine with a host tier (``ManagerConfig.headroom_blocks``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import dataclass
 
 from schemas.events import CacheAction, SessionId
-from services.engine.kv_cache import PagedKVCache
+from services.engine.kv_cache import OutOfBlocks, PagedKVCache
 
-__all__ = ["CacheControl"]
+__all__ = ["CacheControl", "Relieved"]
+
+
+@dataclass(frozen=True, slots=True)
+class Relieved:
+    """What the pressure valve did: whose pin went, its score, and the blocks it moved to the
+    host tier (0: the pin was released instead; the blocks stay cached until evicted)."""
+
+    session_id: SessionId
+    score: float
+    swapped_blocks: int
 
 
 class CacheControl:
@@ -60,20 +76,26 @@ class CacheControl:
             self.pin_scores[session_id] = score
         return blocks
 
-    def release_lowest_pin(self, exclude: SessionId) -> tuple[SessionId, float] | None:
-        """The pressure valve: release the pin ranked lowest (module docstring) of a session other
-        than ``exclude``; the session released and its pin's score, or None when no other session
-        is pinned."""
+    def relieve(self, exclude: SessionId) -> Relieved | None:
+        """The pressure valve: take the pin ranked lowest (module docstring) of a session other
+        than ``exclude``, moving its blocks to the host tier when they fit there, else releasing
+        it; None when no other session is pinned."""
         cache = self.cache
         pinned = [(sid, cache.blocks_of(sid)) for sid in cache.session_ids() if sid != exclude]
         ranked = sorted(
-            (self.pin_scores.get(sid, 0.0), blocks.pin_until if blocks.pin_until is not None else math.inf, sid)
+            (self.pin_scores.get(sid, 0.0), blocks.pin_until if blocks.pin_until is not None else math.inf, sid, blocks)
             for sid, blocks in pinned
             if blocks.pinned
         )
         if not ranked:
             return None
-        score, _, victim = ranked[0]
-        cache.release(victim)
+        score, _, victim, blocks = ranked[0]
+        swapped = 0
+        # A running call's blocks stay where the call needs them; without host room for them
+        # (OutOfBlocks, nothing changed) the pin is released instead.
+        with contextlib.suppress(OutOfBlocks):
+            swapped = 0 if blocks.running else cache.swap_out(victim)  # the pin goes with the blocks
+        if swapped == 0:
+            cache.release(victim)
         self.pin_scores.pop(victim, None)
-        return victim, score
+        return Relieved(victim, score, swapped)

@@ -291,8 +291,8 @@ def test_decisions_steer_the_engine_cache(rig: Rig) -> None:
 # ---------------------------------------------------------------- the sim source on its own
 
 
-async def _with_server(state_dir: Path, kv_buffer: int, body: Any) -> None:
-    """Run ``body(server, url)`` against a real sim server app served in-process."""
+async def _with_server(state_dir: Path, kv_buffer: int, body: Any, host_blocks: int = 0) -> None:
+    """Run ``body(server, url)`` against a real sim server app served in-process (16 GPU blocks)."""
     from aiohttp import web
 
     from services.engine.cost import CostModel
@@ -301,7 +301,7 @@ async def _with_server(state_dir: Path, kv_buffer: int, body: Any) -> None:
     from workers.engines.sim_server import SimServer
 
     server = SimServer(
-        SimEngine(PagedKVCache(BLOCK, 16), CostModel(block_size=BLOCK)),
+        SimEngine(PagedKVCache(BLOCK, 16, host_blocks), CostModel(block_size=BLOCK)),
         state_dir,
         engine_id=ENGINE_ID,
         time_scale=0.0,
@@ -376,7 +376,8 @@ def test_kv_control_rejects_bad_input_and_refuses_what_the_cache_cannot_do(tmp_p
     asyncio.run(_with_server(tmp_path, 100, body))
 
 
-def test_a_call_that_does_not_fit_takes_the_lowest_ranked_pin(tmp_path: Path) -> None:
+@pytest.mark.parametrize("host_blocks", [0, 8], ids=["no host tier: released", "host tier: swapped"])
+def test_a_call_that_does_not_fit_takes_the_lowest_ranked_pin(tmp_path: Path, host_blocks: int) -> None:
     import aiohttp
 
     async def body(server: Any, url: str) -> None:
@@ -387,8 +388,8 @@ def test_a_call_that_does_not_fit_takes_the_lowest_ranked_pin(tmp_path: Path) ->
                 async with http.post(f"{url}/kv_control", json=payload) as response:
                     assert response.status == 200, await response.text()
 
-            async def call(session: str, blocks: int) -> dict[str, Any]:
-                payload = {"request_id": f"{session}/0", "session_id": session,
+            async def call(session: str, blocks: int, turn: int = 0) -> dict[str, Any]:
+                payload = {"request_id": f"{session}/{turn}", "session_id": session,
                            "prompt_runs": [[session, blocks * BLOCK]], "max_tokens": 1}  # fmt: skip
                 async with http.post(f"{url}/v1/completions", json=payload) as response:
                     assert response.status == 200, await response.text()
@@ -400,12 +401,29 @@ def test_a_call_that_does_not_fit_takes_the_lowest_ranked_pin(tmp_path: Path) ->
             await call("low", 4)
             await control("low", "PRESERVE", ttl_ms=600_000, score=1.0)
             await call("big", 12)  # 8 blocks are free: the lowest-ranked pin goes, not the call
-            pinned = {sid for sid in server.engine.cache.session_ids() if server.engine.cache.blocks_of(sid).pinned}
-            assert pinned == {"high"} and server.num_forced_releases == 1
+            cache = server.engine.cache
+            pinned = {sid for sid in cache.session_ids() if cache.blocks_of(sid).pinned}
+            assert pinned == {"high"}
+            if host_blocks:  # moved to the host tier (the next call swaps it in), reported as a swap
+                assert (server.num_forced_swaps, server.num_forced_releases) == (1, 0)
+                assert cache.blocks_of("low").num_host_blocks == 4
+                async with http.get(f"{url}/kv_events", params={"after": "0"}) as response:
+                    batches = (await response.json())["batches"]
+                swaps = [e for b in batches for e in b["events"] if e.get("kind") == "swapped"]
+                assert [(e["session_id"], e["from_tier"], e["to_tier"], e["num_blocks"]) for e in swaps] == [
+                    ("low", "GPU", "CPU", 4)
+                ]
+                # Its next call reads the same context: swapped back in, not recomputed (all but the
+                # last block: a prompt that hits whole still computes its last token, as vLLM's).
+                again = await call("low", 4, turn=1)
+                assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK
+                assert again["agentlog"]["swapped_in_blocks"] == 3
+            else:  # released: its blocks are LRU-evictable, and the big call evicted them
+                assert (server.num_forced_swaps, server.num_forced_releases) == (0, 1)
             await call("whole", 16)  # the whole cache: every pin goes
-            assert server.num_forced_releases == 2
+            assert server.num_forced_swaps + server.num_forced_releases == 2
 
-    asyncio.run(_with_server(tmp_path, 100, body))
+    asyncio.run(_with_server(tmp_path, 100, body, host_blocks))
 
 
 def test_a_restarted_bridge_skips_decisions_its_backlog_shows_are_stale(rig: Rig) -> None:

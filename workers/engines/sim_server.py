@@ -37,9 +37,11 @@ when the cache refuses (no host room, the session is in a call). Without any con
 the engine is the vLLM-like baseline: blocks are freed when each call ends and reused
 LRU.
 
-**Pressure valve.** A call that does not fit releases the pin the cache manager ranked
-lowest (the PRESERVE's ``score``), then the next, until it fits
-(``num_forced_releases`` in ``/stats``): a pin never makes a call fail.
+**Pressure valve.** A call that does not fit takes the pin the cache manager ranked
+lowest (the PRESERVE's ``score``), then the next, until it fits (``CacheControl.relieve``):
+the pinned blocks move to the host tier when it has room (the call pays the transfer, and a
+``swapped`` event reports it like a ``SWAP``'s), else the pin is released
+(``num_forced_swaps`` and ``num_forced_releases`` in ``/stats``): a pin never makes a call fail.
 
 The engine runs one request at a time (no batching: a simplification of
 vLLM's continuous batching; requests queue and ``queue_ms`` says for how
@@ -93,7 +95,7 @@ from services.engine.chat import (
     parse_chat_request,
     stream_chunks,
 )
-from services.engine.control import CacheControl
+from services.engine.control import CacheControl, Relieved
 from services.engine.cost import CostModel
 from services.engine.kv_cache import KVCacheError, KVEvent, OutOfBlocks, PagedKVCache
 from services.engine.sim import SimEngine, SimResult
@@ -236,6 +238,7 @@ class SimServer:
         self.kv_seq = 0
         self.num_controls = 0
         self.num_forced_releases = 0  # pins the pressure valve released for a call that did not fit
+        self.num_forced_swaps = 0  # pins it moved to the host tier instead
         self.control = CacheControl(engine.cache)  # carries /kv_control's decisions out; the pressure valve
         self._gate = PriorityGate()
         self._started = time.monotonic()
@@ -360,6 +363,7 @@ class SimServer:
         async with self._gate.hold(priority):
             queue_ms = (time.monotonic() - queued) * 1000 / max(self.time_scale, 1e-9)
             self.engine.cache.expire(self.now())  # TTLs end when the engine steps, like vLLM's scheduler
+            moved: list[dict[str, Any]] = []  # the pressure valve's swaps, before the call
             while True:
                 try:
                     result = self.engine.call(
@@ -367,24 +371,30 @@ class SimServer:
                     )
                     break
                 except OutOfBlocks as e:
-                    if not self._release_lowest_pin(exclude=session_id):
+                    relieved = self._relieve(exclude=session_id)
+                    if relieved is None:
                         raise _Refused(f"{type(e).__name__}: {e}") from None
+                    if blocks := relieved.swapped_blocks:
+                        swap_ms = self.engine.cost.swap_ms(blocks)
+                        moved.append(self._swap_event(relieved.session_id, "GPU", "CPU", blocks, swap_ms))
                 except Exception as e:  # e.g. a prompt larger than the whole KV cache
                     raise _Refused(f"{type(e).__name__}: {e}") from None
-            await asyncio.sleep((result.swap_ms + result.prefill_ms + result.decode_ms) / 1000 * self.time_scale)
-            extra = [
-                {
-                    "kind": "hit",
-                    "session_id": session_id,
-                    "call_id": request_id.rsplit("/", 1)[-1],
-                    "cached_tokens": result.cached_tokens,
-                    "prompt_tokens": result.prompt_tokens,
-                    "tier": "GPU",
-                }
-            ]
+            # The valve's transfers occupy the engine before the call, like a SWAP's.
+            valve_ms = sum(event["duration_ms"] for event in moved)
+            engine_ms = valve_ms + result.swap_ms + result.prefill_ms + result.decode_ms
+            await asyncio.sleep(engine_ms / 1000 * self.time_scale)
+            hit = {
+                "kind": "hit",
+                "session_id": session_id,
+                "call_id": request_id.rsplit("/", 1)[-1],
+                "cached_tokens": result.cached_tokens,
+                "prompt_tokens": result.prompt_tokens,
+                "tier": "GPU",
+            }
+            extra = [*moved, hit]
             if result.swapped_in_blocks:
                 swapped_tokens = result.prompt_tokens - result.computed_tokens - result.cached_tokens
-                extra.append({**extra[0], "cached_tokens": swapped_tokens, "tier": "CPU"})  # the host tier's hit
+                extra.append({**hit, "cached_tokens": swapped_tokens, "tier": "CPU"})  # the host tier's hit
                 extra.append(self._swap_event(session_id, "CPU", "GPU", result.swapped_in_blocks, result.swap_ms))
             self._publish(result.events, extra)
         return result, queue_ms
@@ -421,15 +431,20 @@ class SimServer:
             os.fsync(f.fileno())
         crash_point("engine.after_record")  # recorded, not answered: a retry is answered from the record
 
-    def _release_lowest_pin(self, exclude: str) -> bool:
-        """The pressure valve (``CacheControl.release_lowest_pin``): a pinned cache must never turn
-        into a failed call."""
-        released = self.control.release_lowest_pin(SessionId(exclude))
-        if released is None:
-            return False
-        self.num_forced_releases += 1
-        _log.info("released the pin of %s to make room (score %.3g)", *released)
-        return True
+    def _relieve(self, exclude: str) -> Relieved | None:
+        """The pressure valve (``CacheControl.relieve``): a pinned cache must never turn into a
+        failed call."""
+        relieved = self.control.relieve(SessionId(exclude))
+        if relieved is None:
+            return None
+        if relieved.swapped_blocks:
+            self.num_forced_swaps += 1
+            _log.info("moved the pin of %s to the host tier to make room (%d blocks, score %.3g)",
+                      relieved.session_id, relieved.swapped_blocks, relieved.score)  # fmt: skip
+        else:
+            self.num_forced_releases += 1
+            _log.info("released the pin of %s to make room (score %.3g)", relieved.session_id, relieved.score)
+        return relieved
 
     def _swap_event(self, session_id: str, from_tier: str, to_tier: str, blocks: int, ms: float) -> dict[str, Any]:
         return {"kind": "swapped", "session_id": session_id, "from_tier": from_tier, "to_tier": to_tier,
@@ -455,6 +470,7 @@ class SimServer:
                 "num_replayed": self.num_replayed,
                 "num_controls": self.num_controls,
                 "num_forced_releases": self.num_forced_releases,
+                "num_forced_swaps": self.num_forced_swaps,
                 "num_waiting": self._gate.num_waiting,  # requests queued for the engine
                 "kv_seq": self.kv_seq,
                 "gpu_blocks": cache.num_gpu_blocks,

@@ -140,6 +140,20 @@ def test_a_preserve_leaves_the_largest_call_room_else_the_lowest_scores_go() -> 
     assert feed.manager.hold(SessionId("c")) is Hold.RELEASED
 
 
+def test_with_a_host_tier_a_preserve_keeps_no_room_ahead() -> None:
+    # The engine's pressure valve moves a pin to the host when a call needs the room
+    # (services.engine.control): the same pins as above all stay.
+    feed = Feed(gpu=100, host=100, headroom=None)
+    feed.pinned("b", 0.0, 624)
+    feed.pinned("a", 1.0, 304)
+    assert feed.manager.headroom == 0
+    assert feed.turn("c", 2.0, 144) == []
+    assert actions(feed.propose("c", 2.3)) == [("c", CacheAction.PRESERVE, "gap")]
+    assert feed.manager.gpu_used == 70 and feed.manager.hold(SessionId("c")) is Hold.PINNED
+    # A headroom given is kept whatever the tiers.
+    assert Feed(gpu=100, host=100, headroom=40).manager.headroom == 40
+
+
 def test_under_pressure_a_victim_is_swapped_while_the_host_has_room() -> None:
     feed = Feed(gpu=100, host=15)
     for sid, at, prompt in (("a", 0.0, 304), ("b", 1.0, 624), ("c", 2.0, 144)):

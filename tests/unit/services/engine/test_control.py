@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from schemas.events import CacheAction, CacheDecisionMade
-from services.engine.control import CacheControl
+from services.engine.control import CacheControl, Relieved
 from services.engine.cost import CostModel
 from services.engine.kv_cache import OutOfBlocks, PagedKVCache
 from services.engine.serial import Sim, SimManager
@@ -48,17 +48,31 @@ def test_a_refused_swap_raises_and_changes_nothing() -> None:
     assert cache.blocks_of(A).pinned and cache.num_free_host_blocks == 1
 
 
-def test_the_valve_releases_the_lowest_score_then_the_earliest_expiry() -> None:
+def test_the_valve_takes_the_lowest_score_then_the_earliest_expiry_to_the_host() -> None:
     cache = _cache()
     turn(cache, C, list(range(200, 208)))
     control = CacheControl(cache)
     control.apply(A, CacheAction.PRESERVE, now=0.0, ttl_s=9.0, score=2.0)
     control.apply(B, CacheAction.PRESERVE, now=0.0, ttl_s=5.0, score=2.0)
     control.apply(C, CacheAction.PRESERVE, now=0.0, ttl_s=1.0, score=3.0)
-    assert control.release_lowest_pin(exclude=C) == (B, 2.0)
-    assert control.release_lowest_pin(exclude=C) == (A, 2.0)
-    assert control.release_lowest_pin(exclude=C) is None
-    assert cache.blocks_of(C).pinned
+    assert control.relieve(exclude=C) == Relieved(B, 2.0, 2)
+    assert (cache.blocks_of(B).num_host_blocks, cache.blocks_of(B).pinned) == (2, False)
+    assert control.relieve(exclude=C) == Relieved(A, 2.0, 2)
+    assert control.relieve(exclude=C) is None
+    assert cache.blocks_of(C).pinned and cache.num_free_host_blocks == 4
+    cache.check_invariants()
+
+
+def test_without_host_room_the_valve_releases_the_pin() -> None:
+    cache = _cache(host=1)
+    control = CacheControl(cache)
+    control.apply(A, CacheAction.PRESERVE, now=0.0, ttl_s=None, score=1.0)
+    control.apply(B, CacheAction.PRESERVE, now=0.0, ttl_s=None, score=2.0)
+    assert control.relieve(exclude=B) == Relieved(A, 1.0, 0)
+    a = cache.blocks_of(A)
+    assert not a.pinned and a.num_host_blocks == 0 and a.num_reusable_blocks == 2  # cached, LRU-evictable
+    assert cache.num_free_host_blocks == 1 and A not in control.pin_scores
+    cache.check_invariants()
 
 
 def test_the_engine_model_charges_a_carried_out_swap_and_prefetch_like_any_transfer() -> None:
