@@ -326,6 +326,29 @@ def _call(server: Any, session: str, tokens: int) -> None:
     server._publish(result.events)
 
 
+def test_a_pin_the_pressure_valve_moves_to_the_host_is_logged_like_a_swap(rig: Rig) -> None:
+    # Two sessions pinned through the log; a call that does not fit beside them takes the
+    # lower-ranked pin (same score: the earlier expiry), whose blocks go to the host tier. The
+    # bridge logs that move as it logs a SWAP decision's, and the session's next call swaps them
+    # back in instead of recomputing them.
+    rig.bridge.start()
+    rig.call("early", 0, 4 * BLOCK)
+    rig.decide("early", CacheAction.PRESERVE, ttl_ms=600_000)
+    rig.wait_for(lambda: "early" in rig.get("/stats")["pinned_sessions"], "the first pin")
+    rig.call("late", 0, 4 * BLOCK)
+    rig.decide("late", CacheAction.PRESERVE, ttl_ms=600_000)
+    rig.wait_for(lambda: "late" in rig.get("/stats")["pinned_sessions"], "the second pin")
+    rig.call("big", 0, 12 * BLOCK)  # 8 blocks free beside the pins
+    stats = rig.get("/stats")
+    assert stats["pinned_sessions"] == ["late"] and stats["host_free_blocks"] == 4
+    assert (stats["num_forced_swaps"], stats["num_forced_releases"]) == (1, 0)
+    logged = rig.wait_until_logged()
+    assert logged[("early", "swapped", "CPU", ("GPU", "4"))] == 1
+    reply = rig.call("early", 1, 5 * BLOCK)
+    assert reply["agentlog"]["swapped_in_blocks"] == 4
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BLOCK  # not recomputed
+
+
 def test_the_sim_source_reports_batches_it_can_no_longer_get(tmp_path: Path) -> None:
     from workers.engine_bridge.base import KVEventsLost
     from workers.engine_bridge.sim import SimKVSource
