@@ -190,10 +190,7 @@ class Ours(SimManager):
         relieved = self.sim.control.relieve(requester.sid)
         if relieved is None:
             return False
-        moved, sid = relieved.swapped_blocks, relieved.session_id
-        if moved:  # as the sim server does: the engine pays the transfer
-            self.sim.on_host[sid] = self.sim.on_host.get(sid, 0) + moved
-            self.sim.transfer(moved, now)
+        self.sim.moved_to_host(relieved.session_id, relieved.swapped_blocks, now)  # as the sim server: charged
         return True
 
 

@@ -245,10 +245,15 @@ class Sim:
         except OutOfBlocks:
             self.cache.release(sid)
             return 0
-        if moved:
-            self.on_host[sid] = self.on_host.get(sid, 0) + moved
-            self.transfer(moved, now)
+        self.moved_to_host(sid, moved, now)
         return moved
+
+    def moved_to_host(self, sid: SessionId, num_blocks: int, now: float) -> None:
+        """``num_blocks`` of the session went to the host tier (a swap, a SWAP decision or the
+        pressure valve): count them there and charge the transfer to the engine."""
+        if num_blocks:
+            self.on_host[sid] = self.on_host.get(sid, 0) + num_blocks
+            self.transfer(num_blocks, now)
 
     def discard(self, sid: SessionId) -> None:
         self.cache.discard(sid)
@@ -266,9 +271,7 @@ class Sim:
             self.m.refused += 1
             return 0
         if action is CacheAction.SWAP:
-            if moved:
-                self.on_host[sid] = self.on_host.get(sid, 0) + moved
-                self.transfer(moved, now)
+            self.moved_to_host(sid, moved, now)
         elif action is CacheAction.DISCARD:
             self.on_host.pop(sid, None)
         elif action is CacheAction.PREFETCH:
