@@ -69,9 +69,10 @@ from cli.data import CONTINUUM, trace_file
 from schemas import events as ev
 from schemas.events import SessionId
 from services.cache.manager import CacheManager, ManagerConfig
+from services.engine.batching import MAX_NUM_SEQS, BatchSim
 from services.engine.cost import CostModel
-from services.engine.serial import Sim
 from services.programs.base import Prompt, TokenRun
+from services.scheduling import ProgramProgress, preserved_until, prioritize
 from services.traces.continuum import from_continuum
 from services.traces.model import Trace, TraceSession
 from workers.engine_bridge.base import ActuationRefused
@@ -80,6 +81,8 @@ from workers.engines.vllm.server import VllmServer, VllmServerConfig, repo_root
 from workers.engines.vllm_http import token_ids
 
 ENGINE_ID = "vllm-0"
+MODES = ("vllm", "manager", "manager+plas")
+SIM_POLICY = {"vllm": "vllm", "manager": "ours", "manager+plas": "ours+plas"}  # the simulator's name of each mode
 RUN = uuid.uuid4().hex[:8]
 MAX_CONTEXT = 960
 VOCAB = 4096
@@ -99,6 +102,7 @@ class ModeResult:
     decode_ms: float = 0.0
     queue_ms: float = 0.0
     num_calls: int = 0
+    preemptions: int = 0  # running requests vLLM preempted (and recomputed) for lack of blocks
 
     @property
     def computed(self) -> int:
@@ -141,6 +145,9 @@ class Driver:
         self.t0 = time.monotonic()
         self.manager: CacheManager | None = None
         self.actuator: VllmActuator | None = None
+        self.plas = mode == "manager+plas"  # send each call's program-level priority
+        self.progress: dict[str, ProgramProgress] = {}  # what each program attained (trace ms)
+        self.preserved: dict[str, float] = {}  # session -> until when (trace s) a PRESERVE holds its KV
         self._seq = 0
 
     def session_id(self, s: TraceSession) -> str:
@@ -159,6 +166,8 @@ class Driver:
         self._seq += 1
         for decided in self.manager.apply(f"{self.mode}-{self._seq}", SessionId(session), body, self.now()):
             decision = decided.to_event(ENGINE_ID, self.time_scale)
+            until = preserved_until(decided.to_event(ENGINE_ID), self.now())
+            self.preserved[decided.session_id] = -math.inf if until is None else until
             action = str(decision.action)
             self.result.decisions[action] = self.result.decisions.get(action, 0) + 1
             assert self.actuator is not None
@@ -167,8 +176,19 @@ class Driver:
             except ActuationRefused:
                 self.result.refused += 1
 
-    async def complete(self, session: str, call_id: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        body = {
+    def priority(self, session: str) -> int | None:
+        """The call's program-level priority, as the planner computes it (``manager+plas`` only):
+        from its program's progress, on the manager's clock, warm while a PRESERVE holds its KV."""
+        if not self.plas:
+            return None
+        now = self.now()
+        warm = self.preserved.get(session, -math.inf) > now
+        return prioritize(now, self.progress.get(session, ProgramProgress()), warm=warm).priority
+
+    async def complete(
+        self, session: str, call_id: str, prompt: list[int], max_tokens: int, priority: int | None = None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
             "model": "tiny",
             "prompt": prompt,
             "max_tokens": max_tokens,
@@ -178,6 +198,8 @@ class Driver:
             "session_id": session,
             "request_id": f"{session}-{call_id}",
         }
+        if priority is not None:
+            body["priority"] = priority
         async with self.http.post(f"{self.url}/v1/completions", json=body) as response:
             answer: dict[str, Any] = await response.json()
             if response.status != 200:
@@ -204,7 +226,7 @@ class Driver:
                     max_output_tokens=turn.output_tokens, prompt_digest="-",
                 ),
             )  # fmt: skip
-            answer = await self.complete(sid, call, context, turn.output_tokens)
+            answer = await self.complete(sid, call, context, turn.output_tokens, self.priority(sid))
             usage, choice = answer["usage"], answer["choices"][0]
             metrics = answer.get("metrics") or {}
             cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
@@ -216,17 +238,16 @@ class Driver:
             self.result.queue_ms += float(metrics.get("queue_time_ms") or 0)
             self.result.num_calls += 1
             context += list(choice.get("token_ids") or [])
-            await self.feed(
-                sid,
-                ev.LLMCallCompleted(
-                    call_id=call, engine_id=ENGINE_ID, prompt_tokens=int(usage["prompt_tokens"]),
-                    cached_tokens=cached, output_tokens=int(usage["completion_tokens"]), output_text="",
-                    finish_reason=str(choice.get("finish_reason")),
-                    queue_ms=float(metrics.get("queue_time_ms") or 0) / self.time_scale,
-                    prefill_ms=float(metrics.get("time_to_first_token_ms") or 0) / self.time_scale,
-                    decode_ms=float(metrics.get("generation_time_ms") or 0) / self.time_scale,
-                ),
+            completed = ev.LLMCallCompleted(
+                call_id=call, engine_id=ENGINE_ID, prompt_tokens=int(usage["prompt_tokens"]),
+                cached_tokens=cached, output_tokens=int(usage["completion_tokens"]), output_text="",
+                finish_reason=str(choice.get("finish_reason")),
+                queue_ms=float(metrics.get("queue_time_ms") or 0) / self.time_scale,
+                prefill_ms=float(metrics.get("time_to_first_token_ms") or 0) / self.time_scale,
+                decode_ms=float(metrics.get("generation_time_ms") or 0) / self.time_scale,
             )  # fmt: skip
+            self.progress[sid] = self.progress.get(sid, ProgramProgress()).after_call(completed)
+            await self.feed(sid, completed)
             if turn.tool is None:
                 break
             tool_call = f"tool-{i}"
@@ -240,6 +261,7 @@ class Driver:
             await self.feed(sid, ev.ToolCallStarted(call_id=tool_call, tool=turn.tool, idempotency_key="-", attempt=1))
             duration = float(turn.tool_duration_s or 0.0)
             await asyncio.sleep(duration * self.time_scale)
+            self.progress[sid] = self.progress.get(sid, ProgramProgress()).after_tool(duration * 1000)
             result_tokens = int(turn.tool_result_tokens or 0)
             await self.feed(
                 sid,
@@ -266,7 +288,7 @@ async def run_mode(mode: str, trace: Trace, endpoints: dict[str, str], blocks: i
         driver = Driver(mode, endpoints["url"], http, time_scale)
         tasks: list[asyncio.Task[None]] = []
         source = None
-        if mode == "manager":
+        if mode != "vllm":
             driver.manager = CacheManager(
                 ManagerConfig(gpu_total_blocks=blocks - 1, block_size=32, engine_id=ENGINE_ID)
             )
@@ -274,6 +296,7 @@ async def run_mode(mode: str, trace: Trace, endpoints: dict[str, str], blocks: i
             source = VllmKVSource(ENGINE_ID, endpoints["kv_events"], endpoints["kv_replay"])
             tasks.append(asyncio.create_task(driver.kv_events(source)))
         before = len((await VllmActuator(ENGINE_ID, endpoints["control"]).control.call("status"))["pressure_releases"])
+        preempted = await preemptions(http, endpoints["url"])
         driver.t0 = time.monotonic()
         await asyncio.gather(*(driver.session(s) for s in trace))
         for task in tasks:
@@ -281,6 +304,7 @@ async def run_mode(mode: str, trace: Trace, endpoints: dict[str, str], blocks: i
         await asyncio.gather(*tasks, return_exceptions=True)
         status = await VllmActuator(ENGINE_ID, endpoints["control"]).control.call("status")
         driver.result.pressure_releases = len(status["pressure_releases"]) - before
+        driver.result.preemptions = await preemptions(http, endpoints["url"]) - preempted
         if source is not None:
             await source.aclose()
         if driver.actuator is not None:
@@ -288,6 +312,17 @@ async def run_mode(mode: str, trace: Trace, endpoints: dict[str, str], blocks: i
                 await driver.actuator.control.call("release", session=driver.session_id(s))
             await driver.actuator.aclose()
         return driver.result
+
+
+async def preemptions(http: aiohttp.ClientSession, url: str) -> int:
+    """vLLM's count of preempted requests so far (its Prometheus counter)."""
+    async with http.get(f"{url}/metrics") as response:
+        text = await response.text()
+    return sum(
+        round(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("vllm:num_preemptions_total")
+    )
 
 
 def calibrated(measured: ModeResult, time_scale: float) -> CostModel:
@@ -302,10 +337,12 @@ def calibrated(measured: ModeResult, time_scale: float) -> CostModel:
     )
 
 
-def simulate(trace: Trace, blocks: int, cost: CostModel) -> dict[str, ModeResult]:
+def simulate(trace: Trace, blocks: int, cost: CostModel, modes: tuple[str, ...]) -> dict[str, ModeResult]:
+    """The modes on the batching engine model (``BatchSim``, the cache-policy bench's engine), the
+    same KV pool and no host tier: policies ``vllm``, ``ours`` and ``ours+plas``."""
     out = {}
-    for name, policy in (("vllm", "vllm"), ("manager", "ours")):
-        m = Sim(trace, make_manager(policy), blocks - 1, 0, cost).run()
+    for name in modes:
+        m = BatchSim(trace, make_manager(SIM_POLICY[name]), blocks - 1, 0, cost, MAX_NUM_SEQS).run()
         out[name] = ModeResult(name, m.prompt_tokens, m.prompt_tokens - m.computed_tokens, list(m.jct))
     return out
 
@@ -316,32 +353,37 @@ def ratio(a: float, b: float) -> str:
 
 def print_table(results: dict[str, dict[str, ModeResult]], out: Any = sys.stdout) -> None:
     print(
-        f"{'':30}{'prefill computed':>17}{'cached':>9}{'hit rate':>9}{'mean JCT':>10}{'p95 JCT':>9}"
-        f"{'queue/call':>11}  decisions",
+        f"{'':32}{'prefill computed':>17}{'cached':>9}{'hit rate':>9}{'mean JCT':>10}{'p95 JCT':>9}"
+        f"{'queue/call':>11}{'preempted':>10}  decisions",
         file=out,
     )
     for label, rows in results.items():
         unit = "s" if label == "real vLLM" else "*"
-        for name in ("vllm", "manager"):
-            r = rows[name]
+        real = label == "real vLLM"
+        for name, r in rows.items():
             decisions = ", ".join(f"{k} {v}" for k, v in sorted(r.decisions.items())) or "-"
-            if label == "real vLLM" and name == "manager":
+            if real and name != "vllm":
                 decisions += f"; {r.pressure_releases} pins released under pressure"
             print(
-                f"{label + ' ' + name:30}{r.computed:>17}{r.cached_tokens:>9}{r.hit_rate:>9.1%}"
+                f"{label + ' ' + name:32}{r.computed:>17}{r.cached_tokens:>9}{r.hit_rate:>9.1%}"
                 f"{r.mean_jct:>9.2f}{unit[0]}{r.p95_jct:>8.2f}{unit[0]}"
-                f"{(f'{r.mean_queue_ms:.0f} ms' if label == 'real vLLM' else '-'):>11}  {decisions}",
+                f"{(f'{r.mean_queue_ms:.0f} ms' if real else '-'):>11}{(r.preemptions if real else '-'):>10}"
+                f"  {decisions}",
                 file=out,
             )
-        a, b = rows["manager"], rows["vllm"]
-        cached = ratio(a.cached_tokens, b.cached_tokens)
-        print(
-            f"{label + ' manager/vllm':30}{ratio(a.computed, b.computed):>17}{cached:>9}"
-            f"{'':>9}{ratio(a.mean_jct, b.mean_jct):>10}{ratio(a.p95_jct, b.p95_jct):>9}",
-            file=out,
-        )
+        b = rows.get("vllm")
+        for name, a in rows.items():
+            if b is None or name == "vllm":
+                continue
+            print(
+                f"{label + ' ' + name + '/vllm':32}{ratio(a.computed, b.computed):>17}"
+                f"{ratio(a.cached_tokens, b.cached_tokens):>9}{'':>9}{ratio(a.mean_jct, b.mean_jct):>10}"
+                f"{ratio(a.p95_jct, b.p95_jct):>9}{(ratio(a.mean_queue_ms, b.mean_queue_ms) if real else '-'):>11}",
+                file=out,
+            )
     print(
-        "real job times: wall seconds (tools compressed); (*) simulator: trace seconds",
+        "real job times: wall seconds (tools compressed); (*) simulator: trace seconds; "
+        "X/vllm: mode X over stock vLLM (below 1: fewer tokens, shorter jobs)",
         file=out,
     )
 
@@ -402,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-replay")
     parser.add_argument("--control")
     parser.add_argument("--txt", type=Path, help="also write the output here")
+    parser.add_argument(
+        "--modes", nargs="+", choices=MODES, default=list(MODES), help="run these, in this order (default: all)"
+    )
     args = parser.parse_args(argv)
     regime = REGIMES[args.regime]
     sessions = args.sessions or regime.sessions
@@ -423,8 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run_dir = Path(tempfile.mkdtemp(prefix="agentlog-bench-vllm-"))
         config = VllmServerConfig(
-            model=model, run_dir=run_dir, num_gpu_blocks=blocks, max_model_len=regime.max_context + 256
-        )
+            model=model, run_dir=run_dir, num_gpu_blocks=blocks, max_model_len=regime.max_context + 256,
+            # Requests without a priority (stock vLLM, the manager alone) all get 0: first come first served.
+            scheduling_policy="priority" if "manager+plas" in args.modes else "fcfs",
+        )  # fmt: skip
         began = time.monotonic()
         server = VllmServer(config).start()
         out.print(f"vLLM ready in {time.monotonic() - began:.0f} s")
@@ -445,23 +492,24 @@ def main(argv: list[str] | None = None) -> int:
             time_scale = float(time_scale_arg)
             out.print(f"tools x{time_scale:g}")
         real = {}
-        for mode in ("vllm", "manager"):
+        for mode in args.modes:
             began = time.monotonic()
             real[mode] = asyncio.run(run_mode(mode, trace, endpoints, blocks, time_scale))
             out.print(f"{mode}: {time.monotonic() - began:.1f} s")
     finally:
         if server is not None:
             server.stop()
-    cost = calibrated(real["vllm"], time_scale)
+    cost = calibrated(real[args.modes[0]], time_scale)
     out.print(
         f"calibrated cost model (trace ms): prefill {cost.prefill_ms_per_token:.2f}/token, "
         f"decode {cost.decode_ms_per_token:.1f}/token"
     )
-    sim = simulate(trace, blocks, cost)
+    modes = tuple(args.modes)
+    sim = simulate(trace, blocks, cost, modes)
     print_table(
         {
             "real vLLM": real,
-            "sim (A100 model)": simulate(trace, blocks, CostModel(block_size=32)),
+            "sim (A100 model)": simulate(trace, blocks, CostModel(block_size=32), modes),
             "sim (calibrated)": sim,
         },
         out,
@@ -473,15 +521,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_prediction(real: dict[str, ModeResult], sim: dict[str, ModeResult], time_scale: float, out: Tee) -> None:
     """How well the calibrated simulator predicts the real run: its job times in wall seconds
-    (trace seconds times the time scale) and the manager / vllm ratios."""
-    out.print("simulator prediction (calibrated, serial engine model) vs the real run:")
-    for name in ("vllm", "manager"):
+    (trace seconds times the time scale) and each mode's ratio to stock vLLM."""
+    out.print("simulator prediction (calibrated, batching engine model) vs the real run:")
+    for name in real:
         predicted = sim[name].mean_jct * time_scale
         err = predicted / real[name].mean_jct - 1 if real[name].mean_jct else 0.0
-        out.print(f"  {name:8} mean JCT real {real[name].mean_jct:.1f} s, predicted {predicted:.1f} s ({err:+.0%})")
-    real_ratio = real["manager"].mean_jct / real["vllm"].mean_jct if real["vllm"].mean_jct else 0.0
-    sim_ratio = sim["manager"].mean_jct / sim["vllm"].mean_jct if sim["vllm"].mean_jct else 0.0
-    out.print(f"  manager/vllm mean JCT real {real_ratio:.2f}, predicted {sim_ratio:.2f}")
+        out.print(f"  {name:12} mean JCT real {real[name].mean_jct:.1f} s, predicted {predicted:.1f} s ({err:+.0%})")
+    for name in real:
+        if name == "vllm" or "vllm" not in real:
+            continue
+        real_ratio = real[name].mean_jct / real["vllm"].mean_jct if real["vllm"].mean_jct else 0.0
+        sim_ratio = sim[name].mean_jct / sim["vllm"].mean_jct if sim["vllm"].mean_jct else 0.0
+        out.print(f"  {name}/vllm mean JCT real {real_ratio:.2f}, predicted {sim_ratio:.2f}")
 
 
 class Tee:
