@@ -5,7 +5,8 @@ Run::
     python -m bench.vllm_agents [--regime tiny|long] [--sessions N] [--rate R] [--time-scale F|auto]
                                 [--blocks B] [--seed 0] [--url URL --kv-events EP --kv-replay EP --control EP]
 
-(``make bench-vllm``; about 1-2 minutes on 2 cores with the tiny model, ~40 s of it starting vLLM.)
+(``make bench-vllm``; about 1-2 minutes on 2 cores with the tiny model, ~40 s of it starting vLLM;
+the long regime's ``--sessions 6 --rate 1.0 --blocks 600``: 73 minutes for the three modes.)
 
 **Regimes.** ``tiny`` (the default, CI's model): InferCept sessions on the 2-layer tiny model,
 contexts under 960 tokens. There a recompute of a few hundred tokens costs nothing, so no
@@ -36,11 +37,16 @@ the events the planner and executor would log (``LLMCallStarted/Completed``,
 vLLM server (``workers.engine_bridge.vllm.VllmKVSource``), its decisions carried out by
 ``VllmActuator`` through the scheduler's control channel: pins with TTL, release, discard,
 and releases under pressure in its ranking. Its clock is trace time (wall / time scale).
+``manager+plas``: the same, and each call carries its program-level priority
+(``services.scheduling``, computed as the planner does: its program's recorded progress, the
+warm credit while a PRESERVE holds its KV). The server then runs ``--scheduling-policy
+priority``; the other modes send no priority, which vLLM serves first come first served.
 
-**Simulator.** ``services.engine.serial.Sim`` on the same sessions and arrivals, with the same
-KV pool (blocks of 32 tokens, no host tier), policies ``vllm`` and ``ours``. Its cost model
-is Llama-3-8B on an A100, so its job times are not the tiny model's on a CPU; the token counts
-and the ratios are what compare.
+**Simulator.** ``services.engine.batching.BatchSim`` (the cache-policy bench's engine model) on
+the same sessions and arrivals, with the same KV pool (blocks of 32 tokens, no host tier),
+policies ``vllm``, ``ours`` and ``ours+plas``: with the cost model of Llama-3-8B on an A100,
+and calibrated with the first mode's measured prefill and decode rates. Its job times are
+trace seconds; the token counts and the ratios are what compare.
 
 Printed: prefill tokens computed, tokens served from the cache, hit rate, mean and p95 job
 completion time (wall seconds), and manager / vllm ratios, for real vLLM and the simulator.
