@@ -30,7 +30,6 @@ at the first event after them, as the worker does.
 from __future__ import annotations
 
 from schemas.events import (
-    CacheDecisionMade,
     EffectClass,
     KVCacheHit,
     KVTier,
@@ -46,7 +45,7 @@ from schemas.events import (
 from services.cache import CachePolicy
 from services.cache.manager import CacheManager, ManagerConfig
 from services.engine.serial import Sess, SimManager
-from services.scheduling import ProgramProgress, SchedulingConfig, call_priority, preserved_until
+from services.scheduling import ProgressBook, SchedulingConfig
 from workers.engine_bridge.sim import decode_event
 from workers.engines.sim_server import kv_event_json
 
@@ -206,22 +205,10 @@ class OursPlas(Ours):
 
     def __init__(self, config: SchedulingConfig | None = None) -> None:
         super().__init__()
-        self.config = config or SchedulingConfig()
-        self.progress: dict[SessionId, ProgramProgress] = {}
-        self.preserved: dict[SessionId, float] = {}  # session -> until when its KV is preserved
+        self.book = ProgressBook(config or SchedulingConfig())
 
     def logged(self, sid: SessionId, body: Model, now: float) -> None:
-        if isinstance(body, LLMCallCompleted):
-            self.progress[sid] = self.progress.get(sid, ProgramProgress()).after_call(body)
-        elif isinstance(body, ToolCallCompleted):
-            self.progress[sid] = self.progress.get(sid, ProgramProgress()).after_tool(body.duration_ms)
-        elif isinstance(body, CacheDecisionMade):
-            until = preserved_until(body, now)
-            if until is None:
-                self.preserved.pop(sid, None)
-            else:
-                self.preserved[sid] = until
+        self.book.logged(sid, body, now)
 
     def priority(self, s: Sess, now: float) -> float | None:
-        warm = self.preserved.get(s.sid, -1.0) > now
-        return call_priority(now, self.progress.get(s.sid, ProgramProgress()), warm=warm, config=self.config)
+        return self.book.priority(s.sid, now)

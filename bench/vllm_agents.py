@@ -78,7 +78,7 @@ from services.cache.manager import CacheManager, ManagerConfig
 from services.engine.batching import MAX_NUM_SEQS, BatchSim
 from services.engine.cost import CostModel
 from services.programs.base import Prompt, TokenRun
-from services.scheduling import ProgramProgress, preserved_until, prioritize
+from services.scheduling import ProgressBook
 from services.traces.continuum import from_continuum
 from services.traces.model import Trace, TraceSession
 from workers.engine_bridge.base import ActuationRefused
@@ -151,9 +151,8 @@ class Driver:
         self.t0 = time.monotonic()
         self.manager: CacheManager | None = None
         self.actuator: VllmActuator | None = None
-        self.plas = mode == "manager+plas"  # send each call's program-level priority
-        self.progress: dict[str, ProgramProgress] = {}  # what each program attained (trace ms)
-        self.preserved: dict[str, float] = {}  # session -> until when (trace s) a PRESERVE holds its KV
+        # manager+plas: each call's program-level priority, from the events the manager is fed.
+        self.book = ProgressBook() if mode == "manager+plas" else None
         self._seq = 0
 
     def session_id(self, s: TraceSession) -> str:
@@ -170,10 +169,13 @@ class Driver:
         if self.manager is None:
             return
         self._seq += 1
-        for decided in self.manager.apply(f"{self.mode}-{self._seq}", SessionId(session), body, self.now()):
+        now = self.now()
+        if self.book is not None:
+            self.book.logged(session, body, now)
+        for decided in self.manager.apply(f"{self.mode}-{self._seq}", SessionId(session), body, now):
+            if self.book is not None:
+                self.book.logged(decided.session_id, decided.to_event(ENGINE_ID), now)
             decision = decided.to_event(ENGINE_ID, self.time_scale)
-            until = preserved_until(decided.to_event(ENGINE_ID), self.now())
-            self.preserved[decided.session_id] = -math.inf if until is None else until
             action = str(decision.action)
             self.result.decisions[action] = self.result.decisions.get(action, 0) + 1
             assert self.actuator is not None
@@ -185,11 +187,7 @@ class Driver:
     def priority(self, session: str) -> int | None:
         """The call's program-level priority, as the planner computes it (``manager+plas`` only):
         from its program's progress, on the manager's clock, warm while a PRESERVE holds its KV."""
-        if not self.plas:
-            return None
-        now = self.now()
-        warm = self.preserved.get(session, -math.inf) > now
-        return prioritize(now, self.progress.get(session, ProgramProgress()), warm=warm).priority
+        return None if self.book is None else self.book.priority(session, self.now())
 
     async def complete(
         self, session: str, call_id: str, prompt: list[int], max_tokens: int, priority: int | None = None
@@ -252,7 +250,6 @@ class Driver:
                 prefill_ms=float(metrics.get("time_to_first_token_ms") or 0) / self.time_scale,
                 decode_ms=float(metrics.get("generation_time_ms") or 0) / self.time_scale,
             )  # fmt: skip
-            self.progress[sid] = self.progress.get(sid, ProgramProgress()).after_call(completed)
             await self.feed(sid, completed)
             if turn.tool is None:
                 break
@@ -267,7 +264,6 @@ class Driver:
             await self.feed(sid, ev.ToolCallStarted(call_id=tool_call, tool=turn.tool, idempotency_key="-", attempt=1))
             duration = float(turn.tool_duration_s or 0.0)
             await asyncio.sleep(duration * self.time_scale)
-            self.progress[sid] = self.progress.get(sid, ProgramProgress()).after_tool(duration * 1000)
             result_tokens = int(turn.tool_result_tokens or 0)
             await self.feed(
                 sid,
@@ -425,8 +421,9 @@ def workload(regime: str, sessions: int, rate: float, seed: int, max_context: in
 def model_window(model: str, regime: Regime) -> int:
     """vLLM's ``--max-model-len``: room past the regime's longest context, within the model's window
     (vLLM refuses more than its ``max_position_embeddings``; the long model's is exactly 8,192)."""
+    wanted = regime.max_context + 256
     config = json.loads((Path(model) / "config.json").read_text())
-    return min(regime.max_context + 256, int(config.get("max_position_embeddings") or regime.max_context + 256))
+    return min(wanted, int(config.get("max_position_embeddings") or wanted))
 
 
 async def prefill_ms_per_token(url: str, tokens: int) -> float:

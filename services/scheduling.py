@@ -52,13 +52,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from schemas.events import CacheAction, CacheDecisionMade, GatewayLLMCallServed, LLMCallCompleted
+from schemas.events import (
+    CacheAction,
+    CacheDecisionMade,
+    GatewayLLMCallServed,
+    LLMCallCompleted,
+    Model,
+    ToolCallCompleted,
+)
 from services.session import SessionState
 
 __all__ = [
     "DEFAULT_SCHEDULING",
     "CallPriority",
     "ProgramProgress",
+    "ProgressBook",
     "SchedulingConfig",
     "call_priority",
     "call_progress",
@@ -209,6 +217,38 @@ def preserved_until(decision: CacheDecisionMade, decided_at_s: float) -> float |
     if decision.ttl_ms is None:
         return float("inf")
     return decided_at_s + decision.ttl_ms / _MS
+
+
+class ProgressBook:
+    """Each session's progress and warm state, kept up to date from the events it is shown, in
+    log order: a reader that follows a stream of events (the benchmarks' engine drivers) rather
+    than folding sessions as the planner does. Single-threaded programs: a session is its
+    program's critical path."""
+
+    def __init__(self, config: SchedulingConfig = DEFAULT_SCHEDULING) -> None:
+        self.config = config
+        self.progress: dict[str, ProgramProgress] = {}
+        self.preserved: dict[str, float] = {}  # session -> until when (log s) its KV is preserved
+
+    def logged(self, session_id: str, body: Model, now_s: float) -> None:
+        """One event of ``session_id``, logged at ``now_s``: a completed call or tool adds to its
+        progress, a cache decision sets or ends its warm state."""
+        if isinstance(body, LLMCallCompleted):
+            self.progress[session_id] = self.progress.get(session_id, ProgramProgress()).after_call(body)
+        elif isinstance(body, ToolCallCompleted):
+            self.progress[session_id] = self.progress.get(session_id, ProgramProgress()).after_tool(body.duration_ms)
+        elif isinstance(body, CacheDecisionMade):
+            until = preserved_until(body, now_s)
+            if until is None:
+                self.preserved.pop(session_id, None)
+            else:
+                self.preserved[session_id] = until
+
+    def priority(self, session_id: str, ready_at_s: float) -> int:
+        """The priority of the session's call that is ready at ``ready_at_s`` (``call_priority``)."""
+        warm = self.preserved.get(session_id, -1.0) > ready_at_s
+        progress = self.progress.get(session_id, ProgramProgress())
+        return call_priority(ready_at_s, progress, warm=warm, config=self.config)
 
 
 def request_priority(value: object) -> int:

@@ -13,6 +13,7 @@ from schemas import events as ev
 from services.scheduling import (
     DEFAULT_SCHEDULING,
     ProgramProgress,
+    ProgressBook,
     SchedulingConfig,
     call_priority,
     call_progress,
@@ -277,3 +278,18 @@ def test_prioritize_gives_the_priority_with_what_it_was_computed_from() -> None:
     assert ranked.priority == call_priority(5_000.0, progress, warm=True)
     assert (ranked.attained_ms, ranked.age_ms, ranked.warm) == (700_000.0, 900_000.0, True)  # before the caps
     assert prioritize(5_000.0, ProgramProgress()).priority == 5_000_000 and not prioritize(5.0, progress).warm
+
+
+def test_a_progress_book_ranks_a_call_as_the_session_fold_would() -> None:
+    """The book, fed the events in log order, gives the priority ``call_priority`` gives for the
+    same progress and warm state; a decision that is not a PRESERVE ends the warm credit."""
+    book = ProgressBook()
+    book.logged("s", completed("llm-0", prefill_ms=300.0, decode_ms=200.0, queue_ms=100.0), 1.0)
+    book.logged("s", ev.ToolCallCompleted(call_id="t", result_json="{}", result_tokens=1, duration_ms=2_000.0), 3.0)
+    book.logged("s", decision(ev.CacheAction.PRESERVE, 5_000), 3.0)
+    progress = ProgramProgress(attained_ms=500.0, elapsed_ms=2_600.0)
+    assert book.priority("s", 4.0) == call_priority(4.0, progress, warm=True)
+    assert book.priority("s", 9.0) == call_priority(9.0, progress), "past the TTL: cold"
+    book.logged("s", decision(ev.CacheAction.RELEASE, None), 4.0)
+    assert book.priority("s", 4.0) == call_priority(4.0, progress)
+    assert book.priority("new", 4.0) == call_priority(4.0, ProgramProgress())
