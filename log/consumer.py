@@ -106,7 +106,8 @@ class ReadCounts:
     skipped: int = 0
     """Read and skipped undecoded (below ``known_to``, or below a seed's offset)."""
     dropped: int = 0
-    """Read before a start the backend could not seek to, dropped undecoded."""
+    """Read where the backend was before it was sought to our position (a start, offset 0, or
+    where we were before a rebalance), dropped undecoded."""
     rebuilt: int = 0
     """Read again to rebuild chains (from offset 0 or for one session)."""
 
@@ -170,6 +171,9 @@ class EventConsumer:
         self._start_at = start_at
         self._started: dict[tuple[str, int], _Started] = {}  # partitions read from a StartAt
         self._pending_seeds: dict[tuple[str, int], dict[bytes, ChainSeed]] = {}
+        self._placing: set[tuple[str, int]] = set()
+        """Partitions whose backend may be reading elsewhere than ``_next``: sought there at the
+        end of each poll, their records at any other offset dropped until it is there."""
         self.reads = ReadCounts()
         self.rebuilt: set[tuple[str, str]] = set()
         """(topic, session) chains rebuilt one by one in partitions read from a StartAt."""
@@ -179,8 +183,8 @@ class EventConsumer:
             self.group, self.topics, from_beginning=self.from_beginning, instance_id=self.instance_id
         )
         if self._start_at is not None:  # a backend that assigns at once (Postgres) reads nothing before a start
-            for tp in await self._begin_assigned(self._subscription.assignment()):
-                self._subscription.seek(*tp, self._next[tp])
+            await self._begin_assigned(self._subscription.assignment())
+            self._place()
         return self
 
     async def close(self) -> None:
@@ -197,6 +201,12 @@ class EventConsumer:
     def assignment(self) -> set[tuple[str, int]]:
         """The (topic, partition) pairs this member owns now."""
         return self._subscription.assignment() if self._subscription else set()
+
+    def assignment_at_poll(self) -> set[tuple[str, int]]:
+        """The (topic, partition) pairs this member owned when its last poll returned: the ones
+        ``position`` counts in. ``assignment()`` is the group's view now, which a rebalance still
+        in flight after a poll (kafka-python runs it on its own thread) may change before the next."""
+        return set(self._assigned)
 
     def membership(self) -> Membership:
         """Whether this member's partitions are surely still its own (``Subscription.membership``)."""
@@ -227,19 +237,23 @@ class EventConsumer:
             # from the group and back (same partitions, new assignment) may have had a successor.
             self.log.partitions_moved({p for _, p in assigned | self._assigned})
             self._assigned, self._assignments = assigned, self._subscription.assignments
+            # A kept partition goes on from our position. The backend's may be elsewhere: a
+            # kafka-python member the group dropped lost its positions, and reads the partitions
+            # it gets back from their committed offsets.
+            self._placing.update(tp for tp in assigned if tp in self._next)
         for tp in [tp for tp in self._next if tp not in assigned]:
             del self._next[tp]  # moved to another member; if it comes back, it is read afresh
             self._started.pop(tp, None)
             self._pending_seeds.pop(tp, None)
+            self._placing.discard(tp)
         decode = self.log.codec.decode
         verify = self._verifier.verify
         reads = self.reads
         delivered: list[LoggedEvent] = []
-        sought: set[tuple[str, int]] = set()
         if self._start_at is not None:
-            # Ask about every partition new to us now, not at its first record: the backend then
-            # seeks the ones not read yet before it fetches them from 0.
-            sought.update(await self._begin_assigned(assigned))
+            # Ask about every partition new to us now, not at its first record: the backend is
+            # then sought to where each begins before it fetches it.
+            await self._begin_assigned(assigned)
         # Backends hand out runs of records of one partition: look its topic up once per run.
         tp = ("", -1)  # the (topic, partition) of the current run; none yet
         topic = topic_table.AGENT_DLQ  # the Topic of the current run (set with the first record)
@@ -253,10 +267,14 @@ class EventConsumer:
             offset = position.offset
             expected = self._next.get(tp)
             if expected is None:
-                expected = await self._begin(tp, topic)
-                if (started := self._started.get(tp)) is not None:
-                    sought.add(tp)
-            if offset != expected:
+                expected = self._next[tp] = await self._begin(tp, topic)
+                started = self._started.get(tp)
+            if tp in self._placing:
+                if offset != expected:
+                    reads.dropped += 1  # fetched from where the backend was: it is sought to ours below
+                    continue
+                self._placing.discard(tp)  # it reads from our position
+            elif offset != expected:
                 if started is None:
                     await self._rebuild_chains(tp, offset)
                 elif offset < expected:
@@ -287,10 +305,17 @@ class EventConsumer:
                 self.stats.dead_lettered_by_error[name] = self.stats.dead_lettered_by_error.get(name, 0) + 1
                 continue
             delivered.append(LoggedEvent(position, envelope))
-        for tp in sought:
-            self._subscription.seek(tp[0], tp[1], self._next[tp])  # no-op if already there
+        self._place()
         self.stats.num_delivered += len(delivered)
         return delivered
+
+    def _place(self) -> None:
+        """Seek the backend to our position in each partition it may be reading elsewhere (one
+        that cannot seek yet is asked again after the next poll, its records dropped till then)."""
+        assert self._subscription is not None
+        for tp in sorted(self._placing):
+            if self._subscription.seek(tp[0], tp[1], self._next[tp]):
+                self._placing.discard(tp)
 
     def seed(self, topic: str, partition: int, session_id: str, seed: ChainSeed) -> None:
         """The caller read a session's records of a partition below ``seed.offset`` itself (and
@@ -309,22 +334,23 @@ class EventConsumer:
             self._verifier.forget(topic, lambda session: session == session_id)
             self._verifier.accept(topic_table.topic(topic), seed_envelope(session_id, seed.seq, seed.hash))
 
-    async def _begin_assigned(self, assigned: set[tuple[str, int]]) -> set[tuple[str, int]]:
-        """``_begin`` every assigned partition not begun yet; returns those read from a start."""
-        sought = set()
+    async def _begin_assigned(self, assigned: set[tuple[str, int]]) -> None:
+        """``_begin`` every assigned partition not begun yet."""
         for tp in sorted(tp for tp in assigned if tp not in self._next):
             self._next[tp] = await self._begin(tp, topic_table.topic(tp[0]))
-            if tp in self._started:
-                sought.add(tp)
-        return sought
 
     async def _begin(self, tp: tuple[str, int], topic: topic_table.Topic) -> int:
-        """A partition new to this member: where to read it from (0, or the caller's start)."""
+        """A partition new to this member: where to read it from (0, or the caller's start).
+        Read from the beginning or a start, the backend is sought there: it may be reading it
+        from elsewhere (a committed offset), which would skip records or read them twice."""
         start = await self._start_at(*tp) if self._start_at is not None else None
-        if start is None:
-            return 0
         name, partition = tp
+        # Its chains are read anew (this member may have read them before it moved away).
         self._verifier.forget(name, lambda session: self.log.partition_for(session) == partition)
+        if start is None:
+            if self.from_beginning:
+                self._placing.add(tp)
+            return 0
         seeds = {s.encode(): seed for s, seed in start.seeds.items()}
         seeds.update(self._pending_seeds.pop(tp, {}))  # given since: newer
         for key, seed in seeds.items():
@@ -332,6 +358,7 @@ class EventConsumer:
                 self._verifier.accept(topic, seed_envelope(key.decode(), seed.seq, seed.hash))
         self._started[tp] = _Started(start.known_to, frozenset(s.encode() for s in start.sessions), seeds)
         self._next[tp] = self._uncommitted[tp] = start.offset
+        self._placing.add(tp)
         return start.offset
 
     async def _late_verify(

@@ -536,6 +536,13 @@ class KafkaSubscription(KafkaGroupMember, ConsumerRebalanceListener):  # type: i
         self.backend.settle_sends()
         self._held = {(tp.topic, tp.partition) for tp in revoked}
 
+    def on_partitions_lost(self, lost: Any) -> None:
+        # The group dropped this member: as for a revocation, and kafka-python forgets the
+        # partitions' positions too. Any of them given back is new to it: read from the
+        # beginning (its committed offset is not where this member was).
+        self.on_partitions_revoked(lost)
+        self._held = set()
+
     def on_partitions_assigned(self, assigned: Any) -> None:
         self.assignments += 1
         if self.from_beginning:

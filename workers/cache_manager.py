@@ -453,7 +453,7 @@ class CacheManagerWorker(Worker):
         return drafts
 
     def _replay_done(self, consumer: EventConsumer) -> bool:
-        assignment = consumer.assignment()
+        assignment = consumer.assignment_at_poll()
         return bool(assignment) and self.replay_done(consumer, assignment)
 
     def _draft(self, d: Decided) -> Draft:

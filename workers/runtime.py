@@ -290,7 +290,9 @@ class SessionWorker(MarkRecovery, Worker):
     async def handle(self, events: list[LoggedEvent]) -> None:
         consumer = self.consumer
         assert consumer is not None
-        await self._track_assignment(consumer.assignment())
+        # As the consumer saw it at this poll (its positions are those partitions'), not as a
+        # rebalance still in flight has it now.
+        await self._track_assignment(consumer.assignment_at_poll())
         for event in events:
             await self._handle(event)
         await self._promote_caught_up(consumer)

@@ -364,6 +364,46 @@ class SharedLogContract:
 
         run(scenario)
 
+    def test_a_partition_back_from_another_member_is_read_anew_whole(self, run: Any) -> None:
+        """A member reading from the beginning that gets a partition back reads it again from
+        offset 0, each record once, none set aside: the chains it held of that partition are
+        read anew, not continued (every record would repeat a seq)."""
+
+        async def scenario(open_log: Any) -> None:
+            log = await open_log("planner")
+            for i in range(16):
+                await log.append(f"s-{i}", llm_started(0))
+                await log.append(f"s-{i}", llm_started(1))
+            a = await (await open_log("planner")).consumer("back", ["agent.actions"], from_beginning=True).start()
+            b = None
+            try:
+                assert len(await poll_until(a, 32)) == 32
+                b = await (await open_log("planner")).consumer("back", ["agent.actions"], from_beginning=True).start()
+                for _ in range(100):
+                    await a.poll(timeout_s=0.1)
+                    await b.poll(timeout_s=0.1)
+                    if a.assignment() and b.assignment() and len(a.assignment() | b.assignment()) == NUM_PARTITIONS:
+                        break
+                moved = {p for _, p in b.assignment()}
+                assert moved and len(a.assignment()) < NUM_PARTITIONS
+                await b.close()
+                again: list[LoggedEvent] = []
+                for _ in range(100):
+                    again += await a.poll(timeout_s=0.1)
+                    if len(a.assignment_at_poll()) == NUM_PARTITIONS and len(again) >= 2 * len(moved):
+                        break
+                again += await a.poll(timeout_s=0.5)  # nothing more
+                back = [f"s-{i}" for i in range(16) if log.partition_for(f"s-{i}") in moved]
+                expected = sorted((session, turn) for session in back for turn in (0, 1))
+                assert sorted((e.session_id, e.seq) for e in again) == expected
+                assert a.stats.num_dead_lettered == 0
+            finally:
+                await a.close()
+                if b is not None:
+                    await b.close()
+
+        run(scenario)
+
 
 async def poll_until(
     consumer: Any, count: int, *, settle_s: float = 0.0, deadline_s: float = 60.0
