@@ -157,7 +157,7 @@ from pathlib import Path
 from typing import TextIO
 
 from bench.baselines import make_baseline
-from bench.ours import Ours, OursPlas
+from bench.ours import Ours, OursPlas, VllmPlas
 from services.engine.batching import MAX_NUM_SEQS, BatchSim
 from services.engine.cost import CostModel
 from services.engine.serial import Metrics, Sim, SimManager
@@ -187,6 +187,8 @@ def make_manager(name: str) -> SimManager:
         return Ours()
     if name == "ours+plas":
         return OursPlas()
+    if name == "vllm+plas":  # not in the sweep: bench.vllm_agents' plas mode
+        return VllmPlas()
     return make_baseline(name)
 
 

@@ -49,7 +49,7 @@ from services.scheduling import ProgressBook, SchedulingConfig
 from workers.engine_bridge.sim import decode_event
 from workers.engines.sim_server import kv_event_json
 
-__all__ = ["ENGINE_ID", "Ours", "OursPlas"]
+__all__ = ["ENGINE_ID", "Ours", "OursPlas", "VllmPlas"]
 
 ENGINE_ID = "sim-0"
 _MS = 1000.0
@@ -212,3 +212,17 @@ class OursPlas(Ours):
 
     def priority(self, s: Sess, now: float) -> float | None:
         return self.book.priority(s.sid, now)
+
+
+class VllmPlas(OursPlas):
+    """Stock vLLM's cache with program-level scheduling: ``ours+plas`` without the cache manager.
+    It follows the same log (the same priorities; no warm credit, since nothing preserves a
+    session's KV) but decides nothing, so its blocks go to the LRU after each call as ``vllm``'s
+    do. Beside ``vllm`` and ``ours+plas`` it tells the scheduling's share of a gain from the
+    manager's."""
+
+    name = "vllm+plas"
+
+    def _fold(self, sid: SessionId, body: Model, now: float) -> None:
+        self.num_events += 1
+        self.logged(sid, body, now)

@@ -41,10 +41,12 @@ and releases under pressure in its ranking. Its clock is trace time (wall / time
 (``services.scheduling``, computed as the planner does: its program's recorded progress, the
 warm credit while a PRESERVE holds its KV). The server then runs ``--scheduling-policy
 priority``; the other modes send no priority, which vLLM serves first come first served.
+``plas`` (run it with ``--modes``): the priorities without the cache manager, which tells the
+scheduling's share of a gain from the manager's.
 
 **Simulator.** ``services.engine.batching.BatchSim`` (the cache-policy bench's engine model) on
 the same sessions and arrivals, with the same KV pool (blocks of 32 tokens, no host tier),
-policies ``vllm``, ``ours`` and ``ours+plas``: with the cost model of Llama-3-8B on an A100,
+policies ``vllm``, ``vllm+plas``, ``ours`` and ``ours+plas``: with the cost model of Llama-3-8B on an A100,
 and calibrated with the first mode's measured prefill and decode rates. Its job times are
 trace seconds; the token counts and the ratios are what compare.
 
@@ -87,8 +89,12 @@ from workers.engines.vllm.server import VllmServer, VllmServerConfig, repo_root
 from workers.engines.vllm_http import token_ids
 
 ENGINE_ID = "vllm-0"
-MODES = ("vllm", "manager", "manager+plas")
-SIM_POLICY = {"vllm": "vllm", "manager": "ours", "manager+plas": "ours+plas"}  # the simulator's name of each mode
+MODES = ("vllm", "plas", "manager", "manager+plas")
+DEFAULT_MODES = ("vllm", "manager", "manager+plas")  # issue 16's three; plas tells what scheduling alone does
+MANAGED = frozenset({"manager", "manager+plas"})  # modes that run the cache manager
+SCHEDULED = frozenset({"plas", "manager+plas"})  # modes whose calls carry their program-level priority
+# The simulator's name of each mode.
+SIM_POLICY = {"vllm": "vllm", "plas": "vllm+plas", "manager": "ours", "manager+plas": "ours+plas"}
 RUN = uuid.uuid4().hex[:8]
 MAX_CONTEXT = 960
 VOCAB = 4096
@@ -151,8 +157,8 @@ class Driver:
         self.t0 = time.monotonic()
         self.manager: CacheManager | None = None
         self.actuator: VllmActuator | None = None
-        # manager+plas: each call's program-level priority, from the events the manager is fed.
-        self.book = ProgressBook() if mode == "manager+plas" else None
+        # plas, manager+plas: each call's program-level priority, from the events it is fed.
+        self.book = ProgressBook() if mode in SCHEDULED else None
         self._seq = 0
 
     def session_id(self, s: TraceSession) -> str:
@@ -165,13 +171,14 @@ class Driver:
         return (time.monotonic() - self.t0) / self.time_scale
 
     async def feed(self, session: str, body: Any) -> None:
-        """One event into the manager, its decisions into vLLM (manager mode only)."""
-        if self.manager is None:
-            return
-        self._seq += 1
+        """One event into the progress book (scheduled modes) and the manager, its decisions into
+        vLLM (managed modes)."""
         now = self.now()
         if self.book is not None:
             self.book.logged(session, body, now)
+        if self.manager is None:
+            return
+        self._seq += 1
         for decided in self.manager.apply(f"{self.mode}-{self._seq}", SessionId(session), body, now):
             if self.book is not None:
                 self.book.logged(decided.session_id, decided.to_event(ENGINE_ID), now)
@@ -185,7 +192,7 @@ class Driver:
                 self.result.refused += 1
 
     def priority(self, session: str) -> int | None:
-        """The call's program-level priority, as the planner computes it (``manager+plas`` only):
+        """The call's program-level priority, as the planner computes it (scheduled modes only):
         from its program's progress, on the manager's clock, warm while a PRESERVE holds its KV."""
         return None if self.book is None else self.book.priority(session, self.now())
 
@@ -290,7 +297,7 @@ async def run_mode(mode: str, trace: Trace, endpoints: dict[str, str], blocks: i
         driver = Driver(mode, endpoints["url"], http, time_scale)
         tasks: list[asyncio.Task[None]] = []
         source = None
-        if mode != "vllm":
+        if mode in MANAGED:
             driver.manager = CacheManager(
                 ManagerConfig(gpu_total_blocks=blocks - 1, block_size=32, engine_id=ENGINE_ID)
             )
@@ -341,7 +348,7 @@ def calibrated(measured: ModeResult, time_scale: float) -> CostModel:
 
 def simulate(trace: Trace, blocks: int, cost: CostModel, modes: tuple[str, ...]) -> dict[str, ModeResult]:
     """The modes on the batching engine model (``BatchSim``, the cache-policy bench's engine), the
-    same KV pool and no host tier: policies ``vllm``, ``ours`` and ``ours+plas``."""
+    same KV pool and no host tier: each mode's ``SIM_POLICY``."""
     out = {}
     for name in modes:
         m = BatchSim(trace, make_manager(SIM_POLICY[name]), blocks - 1, 0, cost, MAX_NUM_SEQS).run()
@@ -364,7 +371,7 @@ def print_table(results: dict[str, dict[str, ModeResult]], out: Any = sys.stdout
         real = label == "real vLLM"
         for name, r in rows.items():
             decisions = ", ".join(f"{k} {v}" for k, v in sorted(r.decisions.items())) or "-"
-            if real and name != "vllm":
+            if real and name in MANAGED:
                 decisions += f"; {r.pressure_releases} pins released under pressure"
             print(
                 f"{label + ' ' + name:32}{r.computed:>17}{r.cached_tokens:>9}{r.hit_rate:>9.1%}"
@@ -455,7 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control")
     parser.add_argument("--txt", type=Path, help="also write the output here")
     parser.add_argument(
-        "--modes", nargs="+", choices=MODES, default=list(MODES), help="run these, in this order (default: all)"
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=list(DEFAULT_MODES),
+        help=f"run these, in this order (default: {' '.join(DEFAULT_MODES)})",
     )
     args = parser.parse_args(argv)
     regime = REGIMES[args.regime]
@@ -480,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         config = VllmServerConfig(
             model=model, run_dir=run_dir, num_gpu_blocks=blocks, max_model_len=model_window(model, regime),
             # Requests without a priority (stock vLLM, the manager alone) all get 0: first come first served.
-            scheduling_policy="priority" if "manager+plas" in args.modes else "fcfs",
+            scheduling_policy="priority" if SCHEDULED & set(args.modes) else "fcfs",
             # vLLM's CPU build keeps one core for its engine-core process and computes on the rest: on
             # 2 cores, half the machine (a 2,048-token prefill of the long model: 18.8 s bound to one
             # core, 8.7-9.5 s unbound). Unbound, the model uses both (vLLM ignores it on a GPU).
