@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.ours import Ours
+from bench.ours import Ours, VllmPlas
 from schemas.events import CacheDecisionMade, SessionId
 from services.cache.manager import CacheManager
 from services.engine.batching import BatchSim
@@ -81,3 +81,20 @@ def test_a_call_that_does_not_fit_takes_the_lowest_scored_pin(engine: type[Sim])
     m = engine(trace, Ours(), gpu_blocks=60, host_blocks=0, cost=CostModel()).run()
     assert len(m.jct) == 12
     assert (m.swapped_out_blocks, m.refused, m.forced) == (0, 0, 0)
+
+
+def test_vllm_plas_follows_each_programs_progress_and_decides_nothing() -> None:
+    # Stock vLLM's cache with program-level scheduling: the priorities come from the same log as
+    # ours+plas's, no decision is carried out, and every block goes to the LRU as vllm's do: here,
+    # as for vllm (test_cache_policies.py), every prompt is computed again after its tool call.
+    turns = (TraceTurn(200, 20, "search", 1.0, 40), TraceTurn(10, 30, "t", 2.0, 20), TraceTurn(10, 5))
+    trace = Trace(tuple(TraceSession(f"s{i}", "test", 0.05 * i, turns) for i in range(12)))
+    plas = VllmPlas()
+    sim = BatchSim(trace, plas, gpu_blocks=60, host_blocks=0, cost=CostModel())
+    carried = _recorded(sim)
+    m = sim.run()
+    assert carried == [] and plas.num_decisions == 0
+    assert len(m.jct) == 12 and (m.swapped_out_blocks, m.forced, m.refused) == (0, 0, 0)
+    assert set(plas.book.progress) == {f"s{i}" for i in range(12)}  # each program's progress, from the log
+    assert plas.book.preserved == {}  # no warm credit: nothing preserves a session's KV
+    assert m.computed_tokens == 12 * (200 + 270 + 330)
