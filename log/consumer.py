@@ -107,7 +107,7 @@ class ReadCounts:
     """Read and skipped undecoded (below ``known_to``, or below a seed's offset)."""
     dropped: int = 0
     """Read where the backend was before it was sought to our position (a start, offset 0, or
-    where we were before a rebalance), dropped undecoded."""
+    where we were before a rebalance), or of a partition that moved away, dropped undecoded."""
     rebuilt: int = 0
     """Read again to rebuild chains (from offset 0 or for one session)."""
 
@@ -171,6 +171,9 @@ class EventConsumer:
         self._start_at = start_at
         self._started: dict[tuple[str, int], _Started] = {}  # partitions read from a StartAt
         self._pending_seeds: dict[tuple[str, int], dict[bytes, ChainSeed]] = {}
+        self._at_backend: set[tuple[str, int]] = set()
+        """Partitions begun where the backend reads them (a committed offset): their first record sets
+        the position."""
         self._placing: set[tuple[str, int]] = set()
         """Partitions whose backend may be reading elsewhere than ``_next``: sought there at the
         end of each poll, their records at any other offset dropped until it is there."""
@@ -182,9 +185,9 @@ class EventConsumer:
         self._subscription = await self.log.backend.subscribe(
             self.group, self.topics, from_beginning=self.from_beginning, instance_id=self.instance_id
         )
-        if self._start_at is not None:  # a backend that assigns at once (Postgres) reads nothing before a start
-            await self._begin_assigned(self._subscription.assignment())
-            self._place()
+        # A backend that assigns at once (Postgres) reads nothing before a start.
+        await self._begin_assigned(self._subscription.assignment())
+        self._place()
         return self
 
     async def close(self) -> None:
@@ -241,34 +244,43 @@ class EventConsumer:
             # kafka-python member the group dropped lost its positions, and reads the partitions
             # it gets back from their committed offsets.
             self._placing.update(tp for tp in assigned if tp in self._next)
-        for tp in [tp for tp in self._next if tp not in assigned]:
-            del self._next[tp]  # moved to another member; if it comes back, it is read afresh
+        for tp in [tp for tp in self._next.keys() | self._at_backend if tp not in assigned]:
+            # Moved to another member; if it comes back, it is read afresh. Nothing of it is
+            # committed from here on: the new owner commits it.
+            self._next.pop(tp, None)
+            self._uncommitted.pop(tp, None)
             self._started.pop(tp, None)
             self._pending_seeds.pop(tp, None)
             self._placing.discard(tp)
+            self._at_backend.discard(tp)
         decode = self.log.codec.decode
         verify = self._verifier.verify
         reads = self.reads
         delivered: list[LoggedEvent] = []
-        if self._start_at is not None:
-            # Ask about every partition new to us now, not at its first record: the backend is
-            # then sought to where each begins before it fetches it.
-            await self._begin_assigned(assigned)
+        # Begin every partition new to us now, not at its first record: the backend is then sought
+        # to where each begins before it fetches it (and a partition with nothing more to read
+        # still gets its position).
+        await self._begin_assigned(assigned)
         # Backends hand out runs of records of one partition: look its topic up once per run.
         tp = ("", -1)  # the (topic, partition) of the current run; none yet
         topic = topic_table.AGENT_DLQ  # the Topic of the current run (set with the first record)
         started: _Started | None = None
+        owned = False
         for record in records:
             position = record.position
             if position.partition != tp[1] or position.topic != tp[0]:
                 tp = (position.topic, position.partition)
                 topic = topic_table.topic(position.topic)
                 started = self._started.get(tp)
+                owned = tp in assigned
             offset = position.offset
+            if not owned:
+                reads.dropped += 1  # fetched before the partition moved away: its owner reads it
+                continue
             expected = self._next.get(tp)
             if expected is None:
-                expected = self._next[tp] = await self._begin(tp, topic)
-                started = self._started.get(tp)
+                self._at_backend.discard(tp)
+                expected = self._next[tp] = 0  # its chains are rebuilt up to its first record's offset
             if tp in self._placing:
                 if offset != expected:
                     reads.dropped += 1  # fetched from where the backend was: it is sought to ours below
@@ -336,12 +348,13 @@ class EventConsumer:
 
     async def _begin_assigned(self, assigned: set[tuple[str, int]]) -> None:
         """``_begin`` every assigned partition not begun yet."""
-        for tp in sorted(tp for tp in assigned if tp not in self._next):
-            self._next[tp] = await self._begin(tp, topic_table.topic(tp[0]))
+        for tp in sorted(tp for tp in assigned if tp not in self._next and tp not in self._at_backend):
+            await self._begin(tp, topic_table.topic(tp[0]))
 
-    async def _begin(self, tp: tuple[str, int], topic: topic_table.Topic) -> int:
-        """A partition new to this member: where to read it from (0, or the caller's start).
-        Read from the beginning or a start, the backend is sought there: it may be reading it
+    async def _begin(self, tp: tuple[str, int], topic: topic_table.Topic) -> None:
+        """A partition new to this member: where to read it from: the caller's start, else 0
+        (``from_beginning``), else where the backend reads it (a committed offset; its first
+        record sets the position). At a start or 0 the backend is sought there: it may be reading
         from elsewhere (a committed offset), which would skip records or read them twice."""
         start = await self._start_at(*tp) if self._start_at is not None else None
         name, partition = tp
@@ -349,8 +362,11 @@ class EventConsumer:
         self._verifier.forget(name, lambda session: self.log.partition_for(session) == partition)
         if start is None:
             if self.from_beginning:
+                self._next[tp] = 0
                 self._placing.add(tp)
-            return 0
+            else:
+                self._at_backend.add(tp)
+            return
         seeds = {s.encode(): seed for s, seed in start.seeds.items()}
         seeds.update(self._pending_seeds.pop(tp, {}))  # given since: newer
         for key, seed in seeds.items():
@@ -359,7 +375,6 @@ class EventConsumer:
         self._started[tp] = _Started(start.known_to, frozenset(s.encode() for s in start.sessions), seeds)
         self._next[tp] = self._uncommitted[tp] = start.offset
         self._placing.add(tp)
-        return start.offset
 
     async def _late_verify(
         self,

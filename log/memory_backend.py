@@ -273,6 +273,7 @@ class MemorySubscription(Subscription):
             released = True
         for tp in sorted(target - self._positions.keys()):
             if tp not in owners:
+                self.assignments += 1  # a partition taken (perhaps given up and back within one poll) is new
                 owners[tp] = self
                 self._positions[tp] = 0 if self.from_beginning else self._group.committed.get(tp, 0)
         if released:

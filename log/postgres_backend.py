@@ -378,6 +378,8 @@ class PostgresSubscription(Subscription):
                 self._positions.pop((topic, partition), None)
         for partition in sorted(target - self._owned):
             if await self.conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1), $2)", self._group_key, partition):
+                # A partition taken (perhaps given up and taken back within one poll) is new.
+                self.assignments += 1
                 self._owned.add(partition)
                 for topic in self.topics:
                     self._positions[(topic, partition)] = (

@@ -470,7 +470,7 @@ class RdKafkaSubscription(KafkaGroupMember):
         try:
             self._consumer.seek(tp)
         except KafkaException as e:
-            _log.info("cannot seek %s[%d] to %d yet: %s", topic, partition, offset, _error(e))
+            _log.debug("cannot seek %s[%d] to %d yet: %s", topic, partition, offset, _error(e))
             return False
         return True
 

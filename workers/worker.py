@@ -330,7 +330,7 @@ class Worker:
     async def _measure_lag(self, consumer: EventConsumer, metrics: WorkerMetrics) -> None:
         """Every ``lag_every_s``: records between this member's position and each owned partition's end."""
         while await self.until(asyncio.sleep(self.lag_every_s)):
-            assigned = consumer.assignment()
+            assigned = consumer.assignment_at_poll()  # the partitions its positions are of
             for topic in sorted({t for t, _ in assigned}):
                 try:
                     ends = await self.log.end_offsets(topic)
