@@ -27,6 +27,7 @@ from log.consumer import EventConsumer, StartAt
 from log.kafka_backend import KafkaSubscription
 from log.topics import AGENT_ACTIONS
 from schemas.events import LLMCallStarted
+from tests.integration.kafka_groups import one_session_per_partition
 
 pytestmark = pytest.mark.integration
 
@@ -55,11 +56,7 @@ def test_a_dropped_member_reads_the_partitions_it_gets_back_from_offset_0(kafka_
             open_log(url, actor="planner", namespace=namespace) as other,
         ):
             n = log.num_partitions
-            sessions: dict[int, str] = {}
-            i = 0
-            while len(sessions) < n:
-                sessions.setdefault(log.partition_for(f"s{i}-{namespace}"), f"s{i}-{namespace}")
-                i += 1
+            sessions = one_session_per_partition(log, namespace)
             for session in sessions.values():
                 for turn in range(3):
                     await log.append(session, started(turn))

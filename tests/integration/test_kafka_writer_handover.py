@@ -25,6 +25,7 @@ from log.consumer import EventConsumer
 from log.shared_log import SharedLog
 from log.topics import AGENT_ACTIONS
 from schemas.events import LLMCallStarted
+from tests.integration.kafka_groups import one_session_per_partition
 
 pytestmark = pytest.mark.integration
 
@@ -74,12 +75,7 @@ def test_a_partition_back_from_the_other_planner_is_re_read_before_appending(
             open_log(url, actor="planner", namespace=namespace) as b,
         ):
             n = a.num_partitions
-            # One session per partition: whichever partitions move, some session is in one.
-            sessions = {}
-            i = 0
-            while len(sessions) < n:
-                sessions.setdefault(a.partition_for(f"s{i}-{namespace}"), f"s{i}-{namespace}")
-                i += 1
+            sessions = one_session_per_partition(a, namespace)
             async with a.consumer(group, [ACTIONS], from_beginning=True) as one:
                 await until_assigned([one], n)
                 for session in sessions.values():
