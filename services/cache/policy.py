@@ -272,26 +272,14 @@ class CachePolicy:
         return remaining + delays.queue_s
 
     def next_reference_bound_s(
-        self,
-        phase: Phase,
-        tool: str,
-        started: bool,
-        waited_lo_s: float,
-        waited_hi_s: float,
-        delays: Delays,
-        *,
-        fine: bool = True,
+        self, phase: Phase, tool: str, started: bool, waited_lo_s: float, waited_hi_s: float, delays: Delays
     ) -> float:
         """An upper bound of ``next_reference_s`` over the views in ``phase`` (TOOL or HUMAN) waiting
         on ``tool`` whose wait lies in ``[waited_lo_s, waited_hi_s]``: since the tool started when
         ``started``, since its proposal otherwise (verdict pending). The host residents' index
-        prunes with it (``services.cache.residents``); it follows ``next_reference_s`` term by term.
-        ``fine``: the latency model's bound over the interval, else its O(1) coarser one."""
+        prunes with it (``services.cache.residents``); it follows ``next_reference_s`` term by term."""
         if started:
-            latency = self.latency
-            remaining = latency.mean_residual_life_ceiling(tool, waited_lo_s)
-            if fine:
-                remaining = min(remaining, latency.mean_residual_life_bound(tool, waited_lo_s, waited_hi_s))
+            remaining = self.latency.mean_residual_life_bound(tool, waited_lo_s, waited_hi_s)
         else:
             remaining = max(0.0, delays.verdict_s - waited_lo_s) + self.latency.mean(tool)
         if phase is Phase.HUMAN:

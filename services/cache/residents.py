@@ -24,11 +24,10 @@ time-free part of the score, ``host_value = p * saved / GB`` (flat), with each m
 
 **The search** (best first, branch and bound). A node is a run of consecutive members of
 a group; its bound is a lower bound of every member's score: the least ``host_value`` of
-the run over an upper bound of their distance over the run's interval of waits
-(``CachePolicy.next_reference_bound_s``): first an O(1) one (a mean residual life is at
-most the largest sample minus the age, or the prior mean), refined when the node comes
-first into two queries of the latency model (``ToolLatencyModel.mean_residual_life_bound``).
-The frontier holds nodes by bound; the smallest is refined, split (``_FANOUT`` parts) or,
+the run (kept for a whole group) over an upper bound of their distance over the run's
+interval of waits (``CachePolicy.next_reference_bound_s``, from the latency model's
+``mean_residual_life_bound``, close to the true maximum however wide the interval).
+The frontier holds nodes by bound; the smallest is split (``_FANOUT`` parts) or,
 when small (``_LEAF`` members at most), its members are scored exactly, by
 ``CachePolicy.host_score`` on the same view as the listing makes, into a heap of scored
 residents. The smallest scored resident is handed out once its score is strictly below
@@ -65,8 +64,8 @@ from services.cache.view import Phase, SessionView
 
 __all__ = ["HostResidentIndex", "ResidentsInOrder"]
 
-_FANOUT = 2  # parts a node is split into: each part's bound costs about two scores
-_LEAF = 4  # a node of at most this many members is scored member by member
+_FANOUT = 4  # parts a node is split into
+_LEAF = 8  # a node of at most this many members is scored member by member
 
 
 class _Kind(Enum):
@@ -85,6 +84,7 @@ class _Group:
     phase: Phase
     keys: list[tuple[float, SessionId]] = field(default_factory=list)  # sorted
     values: list[float] = field(default_factory=list)  # the host value of each key's member, aligned
+    least: float | None = None  # min(values), None until asked again after a removal of it
 
 
 @dataclass(slots=True)
@@ -141,6 +141,8 @@ class HostResidentIndex:
         i = bisect.bisect_left(group.keys, key)
         group.keys.insert(i, key)
         group.values.insert(i, value)
+        if group.least is not None:
+            group.least = min(group.least, value)
         self._entries[sid] = _Entry(view, resident, group_key, key)
 
     def discard(self, session_id: SessionId) -> None:
@@ -159,7 +161,8 @@ class HostResidentIndex:
         keys = group.keys
         i = bisect.bisect_left(keys, entry.key)
         del keys[i]
-        del group.values[i]
+        if group.values.pop(i) == group.least:
+            group.least = None
         if not keys:
             del self._groups[entry.group]
 
@@ -192,13 +195,11 @@ class ResidentsInOrder:
         self._now = now
         self._delays = delays
         self._found: list[HostResident] = []
-        # (bound, tiebreak, group, lo, hi, fine): ``fine`` False for a bound that was computed in O(1)
-        # and is refined when it comes first.
-        self._frontier: list[tuple[float, int, _Group, int, int, bool]] = []
+        self._frontier: list[tuple[float, int, _Group, int, int]] = []  # (bound, tiebreak, group, lo, hi)
         self._scored: list[tuple[float, SessionId, SessionView]] = []  # (score, id, view): ids are unique
         self._tiebreak = 0
         for group in index._groups.values():
-            self._push(group, 0, len(group.keys), fine=False)
+            self._push(group, 0, len(group.keys))
 
     def __iter__(self) -> Iterator[HostResident]:
         return iter(self.below(math.inf))
@@ -230,10 +231,8 @@ class ResidentsInOrder:
                 return resident
             if bound >= cutoff:
                 return None  # every resident left scores at least ``bound``
-            _, _, group, lo, hi, fine = heapq.heappop(frontier)
-            if not fine:
-                self._push(group, lo, hi, fine=True)
-            elif hi - lo <= _LEAF:
+            _, _, group, lo, hi = heapq.heappop(frontier)
+            if hi - lo <= _LEAF:
                 now, delays, host_score, entries = self._now, self._delays, self._policy.host_score, self._entries
                 for _, sid in group.keys[lo:hi]:
                     view = entries[sid].view
@@ -241,19 +240,25 @@ class ResidentsInOrder:
             else:
                 step = -(-(hi - lo) // _FANOUT)
                 for a in range(lo, hi, step):
-                    self._push(group, a, min(hi, a + step), fine=False)
+                    self._push(group, a, min(hi, a + step))
 
-    def _push(self, group: _Group, lo: int, hi: int, *, fine: bool) -> None:
+    def _push(self, group: _Group, lo: int, hi: int) -> None:
         """Members ``lo .. hi - 1`` of ``group`` into the frontier, with a lower bound of their scores."""
         policy, delays, keys = self._policy, self._delays, group.keys
         if group.kind is _Kind.FLAT:
-            bound, fine = policy.host_score_lower_bound(keys[lo][0], delays.queue_s), True
+            bound = policy.host_score_lower_bound(keys[lo][0], delays.queue_s)
         else:
             # Keys ascend, so the wait is shortest at the last member and longest at the first.
             distance = policy.next_reference_bound_s(
                 group.phase, group.tool, group.kind is _Kind.RUNNING, self._now - keys[hi - 1][0],
-                self._now - keys[lo][0], delays, fine=fine,
+                self._now - keys[lo][0], delays,
             )  # fmt: skip
-            bound = policy.host_score_lower_bound(min(group.values[lo:hi]), distance)
+            if hi - lo == len(keys):  # the whole group, as every search begins: its least value is kept
+                if group.least is None:
+                    group.least = min(group.values)
+                least = group.least
+            else:
+                least = min(group.values[lo:hi])
+            bound = policy.host_score_lower_bound(least, distance)
         self._tiebreak += 1
-        heapq.heappush(self._frontier, (bound, self._tiebreak, group, lo, hi, fine))
+        heapq.heappush(self._frontier, (bound, self._tiebreak, group, lo, hi))

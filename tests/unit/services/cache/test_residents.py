@@ -110,24 +110,6 @@ def test_changes_while_frozen_wait_for_thaw() -> None:
     assert [r.session_id for r in index.ascending(1.0, Delays())] == ["b"]
 
 
-def test_bounds_hold_over_the_interval() -> None:
-    latency = ToolLatencyModel()
-    for d in [0.1, 0.5, 2.0, 3.0, 9.0, 30.0]:
-        latency.observe("t", d)
-    for lo, hi in itertools.product([0.0, 0.4, 2.5, 8.0, 31.0], [0.0, 1.0, 5.0, 40.0]):
-        if hi < lo:
-            continue
-        bound = latency.mean_residual_life_bound("t", lo, hi)
-        ceiling = latency.mean_residual_life_ceiling("t", lo)
-        for k in range(21):
-            x = lo + (hi - lo) * k / 20
-            mrl = latency.mean_residual_life("t", x)
-            assert mrl <= bound * (1 + 1e-12) and mrl <= ceiling * (1 + 1e-12)
-    assert latency.mean_residual_life_bound("t", 4.0, 4.0) == pytest.approx(latency.mean_residual_life("t", 4.0))
-    assert latency.mean_residual_life_bound("none", 1.0, 9.0) == latency.mean_residual_life("none", 5.0)
-    assert math.isinf(latency.mean_residual_life_bound("t", 0.0, 1e6))  # the prior underflows: no bound
-
-
 def test_listed_residents_below_stops_at_the_cutoff() -> None:
     v = SessionView(SessionId("a"))
     listed = ListedResidents([HostResident(1.0, SessionId("a"), v), HostResident(2.0, SessionId("b"), v)])
