@@ -32,7 +32,9 @@ Rows (the same events, in one run)
 - ``Kafka worker``: ``CacheManagerWorker`` reading the same backlog from Kafka,
   deciding and appending its decisions (one ``append_many`` per poll, overlapping the
   next poll), as ``python -m workers.cache_manager`` runs, minus the replay rules (the
-  backlog counts as new events).
+  backlog counts as new events). The backlog is appended in time order, 2,000 events at
+  a time, so the worker reads it about in time order, as a live worker reads events
+  (the client still hands out each partition's fetched records together).
 
 The Kafka rows run once per client of ``--clients`` (``python``: kafka-python, the
 default backend; ``rdkafka``: librdkafka through ``log.rdkafka_backend``), side by side
@@ -312,12 +314,15 @@ async def fill_kafka(bootstrap: str, namespace: str, events: list[Ev], partition
         await log.start()
     began = time.perf_counter()
     try:
-        by_topic: dict[str, list[Draft]] = {t: [] for t in WRITER_OF}
-        for e in events:
-            by_topic[e.topic].append(Draft(e.session_id, e.body, e.event_id, None, T0 + timedelta(seconds=e.at)))
-        chunk = 5000
-        for topic, drafts in by_topic.items():
-            pending = [logs[topic].append_many(drafts[i : i + chunk]) for i in range(0, len(drafts), chunk)]
+        # In time order, a slice at a time (each topic's share of it in one batch), so that a
+        # worker reads the backlog about as a live one reads events: topic by topic it would
+        # fold every LLM event of a partition before the first tool event.
+        chunk = 2000
+        for i in range(0, len(events), chunk):
+            by_topic: dict[str, list[Draft]] = {t: [] for t in WRITER_OF}
+            for e in events[i : i + chunk]:
+                by_topic[e.topic].append(Draft(e.session_id, e.body, e.event_id, None, T0 + timedelta(seconds=e.at)))
+            pending = [logs[topic].append_many(drafts) for topic, drafts in by_topic.items() if drafts]
             for p in pending:
                 await p
     finally:
