@@ -231,13 +231,11 @@ class ToolLatencyModel:
         a = max(0.0, lo_s)
         b = max(a, hi_s)
         bounds = self._bounds.get(tool)
-        if bounds is None or bounds.stale():
-            bounds = self._bounds[tool] = _Bounds(samples.values(), self._prior(tool), self.prior_weight)
-        bound = bounds.bound(a, b)
-        if bound is None:  # a sample observed since the build could make it too low: build anew
+        bound = None if bounds is None or bounds.stale() else bounds.bound(a, b)
+        if bound is None:  # none yet, stale, or a sample observed since could lift MRL above it
             bounds = self._bounds[tool] = _Bounds(samples.values(), self._prior(tool), self.prior_weight)
             bound = bounds.bound(a, b)
-            assert bound is not None
+            assert bound is not None  # nothing observed since the build
         return bound
 
     def quantiles(self, tool: str) -> list[float]:

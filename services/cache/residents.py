@@ -24,7 +24,7 @@ time-free part of the score, ``host_value = p * saved / GB`` (flat), with each m
 
 **The search** (best first, branch and bound). A node is a run of consecutive members of
 a group; its bound is a lower bound of every member's score: the least ``host_value`` of
-the run (kept for a whole group) over an upper bound of their distance over the run's
+the run over an upper bound of their distance over the run's
 interval of waits (``CachePolicy.next_reference_bound_s``, from the latency model's
 ``mean_residual_life_bound``, close to the true maximum however wide the interval).
 The frontier holds nodes by bound; the smallest is split (``_FANOUT`` parts) or,
@@ -84,7 +84,6 @@ class _Group:
     phase: Phase
     keys: list[tuple[float, SessionId]] = field(default_factory=list)  # sorted
     values: list[float] = field(default_factory=list)  # the host value of each key's member, aligned
-    least: float | None = None  # min(values), None until asked again after a removal of it
 
 
 @dataclass(slots=True)
@@ -141,8 +140,6 @@ class HostResidentIndex:
         i = bisect.bisect_left(group.keys, key)
         group.keys.insert(i, key)
         group.values.insert(i, value)
-        if group.least is not None:
-            group.least = min(group.least, value)
         self._entries[sid] = _Entry(view, resident, group_key, key)
 
     def discard(self, session_id: SessionId) -> None:
@@ -161,8 +158,7 @@ class HostResidentIndex:
         keys = group.keys
         i = bisect.bisect_left(keys, entry.key)
         del keys[i]
-        if group.values.pop(i) == group.least:
-            group.least = None
+        del group.values[i]
         if not keys:
             del self._groups[entry.group]
 
@@ -253,12 +249,6 @@ class ResidentsInOrder:
                 group.phase, group.tool, group.kind is _Kind.RUNNING, self._now - keys[hi - 1][0],
                 self._now - keys[lo][0], delays,
             )  # fmt: skip
-            if hi - lo == len(keys):  # the whole group, as every search begins: its least value is kept
-                if group.least is None:
-                    group.least = min(group.values)
-                least = group.least
-            else:
-                least = min(group.values[lo:hi])
-            bound = policy.host_score_lower_bound(least, distance)
+            bound = policy.host_score_lower_bound(min(group.values[lo:hi]), distance)
         self._tiebreak += 1
         heapq.heappush(self._frontier, (bound, self._tiebreak, group, lo, hi))
