@@ -64,6 +64,7 @@ from fastavro.read import SchemaResolutionError
 from fastavro.schema import parse_schema
 from pydantic import ValidationError
 
+from log.body_reader import BodyReader, body_reader, constructible
 from log.body_writer import MAX_LONG, MIN_LONG, BodyWriter, Unusual, body_writer, varint
 from log.errors import BadMagic, HashMismatch, SchemaMismatch, TruncatedRecord, UnknownFingerprint
 from schemas import registry
@@ -368,7 +369,7 @@ def _is_flat(model: type[Model]) -> bool:
 class _BodyType:
     """The fast path's view of one branch of the envelope's body union."""
 
-    __slots__ = ("flat", "index", "model", "name", "schema", "write")
+    __slots__ = ("construct", "flat", "index", "model", "name", "read", "schema", "write")
 
     def __init__(self, index: int, model: type[Model], schema: dict[str, Any]) -> None:
         self.index = _long(index)  # the branch's union index, encoded
@@ -376,8 +377,19 @@ class _BodyType:
         self.name = registry.full_name(model)
         self.schema = parse_schema(schema, named_schemas={})
         self.flat = _is_flat(model)
-        # A writer of our own for the bodies whose __dict__ is their dump (log.body_writer).
+        # A writer and a reader of our own for the bodies whose __dict__ is their dump
+        # (log.body_writer, log.body_reader).
         self.write: BodyWriter | None = body_writer(schema) if self.flat else None
+        hints = typing.get_type_hints(model)
+        self.read: BodyReader | None = body_reader(schema, hints) if self.flat else None
+        # Whether what that reader reads is the body as is: validating would only copy it.
+        constrained = {name for name, f in model.model_fields.items() if f.metadata or f.discriminator}
+        self.construct = (
+            self.read is not None
+            and _plain(model)
+            and [f["name"] for f in schema["fields"]] == list(model.model_fields)
+            and constructible(schema, hints, constrained)
+        )
 
 
 def _check_layout(expanded: dict[str, Any]) -> None:
@@ -549,12 +561,20 @@ class Codec:
                 head = _checked_head(data)
             event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, branch, pos = head
             body_type = self._bodies[branch]
-            buf = io.BytesIO(data)
-            buf.seek(pos)
-            values = schemaless_reader(
-                buf, body_type.schema, None, return_record_name=True, return_record_name_override=True
-            )
-            pos = buf.tell()
+            values: Any = None
+            if body_type.read is not None:
+                try:
+                    values, pos = body_type.read(data, pos)
+                except Unusual:
+                    values = None  # fastavro decides what such bytes mean (or which error they are)
+            read_as_is = values is not None and body_type.construct
+            if values is None:
+                buf = io.BytesIO(data)
+                buf.seek(pos)
+                values = schemaless_reader(
+                    buf, body_type.schema, None, return_record_name=True, return_record_name_override=True
+                )
+                pos = buf.tell()
             if pos + _HASH_TAIL_LEN == len(data) and data[pos] == _HASH_PREFIX[0]:
                 stored_hash, pos = data[pos + 1 :], len(data)  # what _read_bytes reads there
             else:
@@ -575,12 +595,15 @@ class Codec:
                 f"record {event_id} of session {session_id} does not match its own hash "
                 f"(stored {stored_hash.hex()[:12]}..., computed {actual.hex()[:12]}...): it was altered after writing"
             )
-        try:
-            # Validated, as in the generic path: it makes the enum members and nested models,
-            # and costs little more than building them by hand would (about 0.3 us a body).
-            body = body_type.model.model_validate(values)
-        except ValidationError as e:
-            raise SchemaMismatch(f"{body_type.name} body does not match its model: {e}") from e
+        if read_as_is:
+            # Every field already holds what validation would make of it (log.body_reader).
+            body = _construct(body_type.model, values)
+        else:
+            try:
+                # Validated, as in the generic path: it makes the enum members and nested models.
+                body = body_type.model.model_validate(values)
+            except ValidationError as e:
+                raise SchemaMismatch(f"{body_type.name} body does not match its model: {e}") from e
         return _construct(
             Envelope,
             {
