@@ -28,11 +28,13 @@ order, with no framing; so the envelope is, field by field:
 - ``causation_id`` (``["null", "string"]``): varint branch index 0, or 1 then a string;
 - ``prev_hash``, ``hash`` (bytes): varint length, the bytes;
 - ``body`` (union of every event type): varint branch index, then the record of that
-  branch, encoded by fastavro with that branch's own schema (parsed once per type).
+  branch, in that branch's own schema (parsed once per type).
 
 A varint here is Avro's: zig-zag, then little-endian base 128. The first seven
-fields and the hash are coded by hand below; the body, whose shape varies, is
-left to fastavro. Decoding reads the seven in one pass (``_quick_head``) when every
+fields and the hash are coded by hand below. A body, whose shape varies, is
+written by ``log.body_writer`` and read by ``log.body_reader``, each built once
+per body type from its schema, or by fastavro where those leave it (bodies with
+nested records, values or bytes they do not expect). Decoding reads the seven in one pass (``_quick_head``) when every
 length fits in one byte, as in every record written here, and field by field
 (``_checked_head``, fastavro's errors in fastavro's order) otherwise.
 ``Codec()`` checks that the envelope schema has exactly this layout and that
@@ -43,11 +45,13 @@ equivalence byte for byte against fastavro's generic writer and reader.
 
 A body is handed to fastavro as its own ``__dict__`` when that equals its
 ``model_dump()`` (no nested models: scalars, enum members, lists and maps of
-them), which saves the dump. Decoded bodies are validated by their pydantic
-model as before (that makes the enum members and nested models, for about the
-cost of building them by hand); the envelope around them, whose fields the
-decoder has just typed itself, is built without a second validation, as
-before, but without ``model_construct``'s per-field bookkeeping. Records of
+them), which saves the dump. A body read by ``log.body_reader`` whose every
+field is typed exactly as it reads (the enum member, ``list[str]``, no
+constraint) is built without validation, which would only copy it; every other
+decoded body is validated by its pydantic model (that makes the enum members
+and nested models). The envelope around them, whose fields the decoder has just
+typed itself, is built without a second validation and without
+``model_construct``'s per-field bookkeeping. Records of
 older releases take the generic, schema-resolving path.
 """
 
