@@ -18,7 +18,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-install: $(VENV)/.installed
+## The codec's hot readers compiled with mypyc (log/native.py); without a C compiler they run as they are.
+log/_native/.built: $(VENV)/.installed log/head_reader.py log/body_reader.py log/body_writer.py scripts/compile_native.py
+	$(PY) scripts/compile_native.py
+	touch $@
+
+install: $(VENV)/.installed log/_native/.built
 
 ## The main job on the embedded default log (no server to install).
 demo: install
@@ -78,4 +83,4 @@ bench-vllm: install tiny-model
 	AGENTLOG_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m bench.vllm_agents
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache log/_native/*.so log/_native/.built

@@ -60,7 +60,7 @@ from __future__ import annotations
 import hashlib
 import io
 import typing
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from fastavro import schemaless_reader, schemaless_writer
@@ -68,22 +68,26 @@ from fastavro.read import SchemaResolutionError
 from fastavro.schema import parse_schema
 from pydantic import ValidationError
 
-from log.body_reader import BodyReader, body_reader, constructible
+from log import native
+from log.body_reader import BodyReader
 from log.body_writer import MAX_LONG, MIN_LONG, BodyWriter, Unusual, body_writer, varint
 from log.errors import BadMagic, HashMismatch, SchemaMismatch, TruncatedRecord, UnknownFingerprint
+from log.head_reader import EPOCH as _EPOCH
+from log.head_reader import HEAD_START, Head, read_long
 from schemas import registry
 from schemas.envelope import Envelope
 from schemas.events import EVENT_TYPES, Model
 
 MAGIC = b"\xc3\x01"
 HEADER_LEN = len(MAGIC) + 8
+if HEAD_START != HEADER_LEN:  # log.head_reader keeps its own copy (it imports nothing of ours)
+    raise RuntimeError("log.head_reader.HEAD_START is not the header's length")
 HASH_LEN = 32
 _HASH_PREFIX = b"\x40"  # zig-zag varint of the byte length 32
 _HASH_TAIL_LEN = len(_HASH_PREFIX) + HASH_LEN
 ZERO_HASH = bytes(HASH_LEN)
 """prev_hash of the first record (seq 0) of every chain."""
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 _CAUSATION_BRANCHES = ("null", "string")
 # The envelope fields the fast path codes by hand, with their exact Avro types, then body and hash.
@@ -126,33 +130,8 @@ def _long(n: int) -> bytes:
 # (both SchemaMismatch).
 
 
-def _read_long(data: bytes, pos: int) -> tuple[int, int]:
-    """The long at ``pos`` and the position after it."""
-    try:
-        b = data[pos]
-    except IndexError:
-        raise EOFError("no bytes left for a long") from None
-    if b < 0x80:  # one byte: every small number, length and union index
-        return (b >> 1) ^ -(b & 1), pos + 1
-    n = b & 0x7F
-    shift = 7
-    while True:
-        pos += 1
-        b = data[pos]
-        n |= (b & 0x7F) << shift
-        if b < 0x80:
-            break
-        shift += 7
-        if shift >= 70:
-            # No Avro writer emits more than 10 bytes for a long; fastavro's C reader gives
-            # such input an undefined meaning. Refuse it rather than guess.
-            raise ValueError("varint longer than 10 bytes")
-    n &= 0xFFFF_FFFF_FFFF_FFFF  # a long has 64 bits, as in fastavro's reader
-    return (n >> 1) ^ -(n & 1), pos + 1
-
-
 def _read_bytes(data: bytes, pos: int) -> tuple[bytes, int]:
-    size, pos = _read_long(data, pos)
+    size, pos = read_long(data, pos)
     end = pos + size
     if size < 0 or end > len(data):
         raise EOFError(f"Expected {size} bytes, read {max(0, len(data) - pos)}")
@@ -166,104 +145,29 @@ def _read_string(data: bytes, pos: int) -> tuple[str, int]:
 
 # The envelope's head: event_id, session_id, seq, actor, occurred_at, causation_id,
 # prev_hash, then the body's union branch and the position of the body.
-_Head = tuple[str, str, int, str, datetime, str | None, bytes, int, int]
 
 
-def _checked_head(data: bytes) -> _Head:
+def _checked_head(data: bytes) -> Head:
     """The head, read field by field as fastavro reads it (its errors, in its order)."""
     event_id, pos = _read_string(data, HEADER_LEN)
     session_id, pos = _read_string(data, pos)
-    seq, pos = _read_long(data, pos)
+    seq, pos = read_long(data, pos)
     actor, pos = _read_string(data, pos)
-    micros, pos = _read_long(data, pos)
+    micros, pos = read_long(data, pos)
     # As fastavro reads timestamp-micros, at the same point (out of range: OverflowError, as there).
     occurred_at = _EPOCH + timedelta(microseconds=micros)
     # Union branches are looked up by Python indexing, as fastavro's reader does: a
     # branch past the end is an IndexError, and a negative one (not valid Avro) counts
     # from the end there, so it does here too.
-    branch, pos = _read_long(data, pos)
+    branch, pos = read_long(data, pos)
     if _CAUSATION_BRANCHES[branch] == "string":
         causation_id: str | None
         causation_id, pos = _read_string(data, pos)
     else:
         causation_id = None
     prev_hash, pos = _read_bytes(data, pos)
-    branch, pos = _read_long(data, pos)
+    branch, pos = read_long(data, pos)
     return event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, branch, pos
-
-
-def _quick_head(data: bytes) -> _Head | None:
-    """The head of a well-formed record in one pass, or None for anything unusual.
-
-    What every record written here looks like: each string and the prev_hash shorter
-    than 64 bytes (a one-byte length), the causation branch 0 or 1, the body branch
-    under 64. Anything else (a long string, a forged length past the end, bad UTF-8, a
-    truncated record) returns None and the record takes ``_checked_head``, which fails
-    the way fastavro does: this function never raises for such input and never accepts
-    what ``_checked_head`` would read differently. About half the cost of the field by
-    field reading (a function call and a tuple per field).
-    """
-    end = len(data)
-    causation_id: str | None
-    try:
-        p = HEADER_LEN
-        n = data[p]  # event_id: a one-byte, even (non-negative) zig-zag length
-        if n & 0x81:
-            return None
-        q = p + 1 + (n >> 1)
-        if q > end:
-            return None
-        event_id = data[p + 1 : q].decode()
-        n = data[q]  # session_id
-        if n & 0x81:
-            return None
-        p = q + 1 + (n >> 1)
-        if p > end:
-            return None
-        session_id = data[q + 1 : p].decode()
-        n = data[p]  # seq
-        if n < 0x80:
-            seq = (n >> 1) ^ -(n & 1)
-            p += 1
-        else:
-            seq, p = _read_long(data, p)
-        n = data[p]  # actor
-        if n & 0x81:
-            return None
-        q = p + 1 + (n >> 1)
-        if q > end:
-            return None
-        actor = data[p + 1 : q].decode()
-        micros, p = _read_long(data, q)
-        occurred_at = _EPOCH + timedelta(microseconds=micros)
-        n = data[p]  # causation_id: branch 0 (null) or 1 (string)
-        if n == 0:
-            causation_id = None
-            p += 1
-        elif n == 2:
-            n = data[p + 1]
-            if n & 0x81:
-                return None
-            q = p + 2 + (n >> 1)
-            if q > end:
-                return None
-            causation_id = data[p + 2 : q].decode()
-            p = q
-        else:
-            return None
-        n = data[p]  # prev_hash
-        if n & 0x81:
-            return None
-        q = p + 1 + (n >> 1)
-        if q > end:
-            return None
-        prev_hash = data[p + 1 : q]
-        n = data[q]  # the body's branch
-        if n & 0x81:
-            return None
-        return event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, n >> 1, q + 1
-    except (IndexError, ValueError, OverflowError):  # UnicodeDecodeError is a ValueError
-        return None
 
 
 # ------------------------------------------------------------ schemas and models
@@ -375,7 +279,7 @@ class _BodyType:
 
     __slots__ = ("construct", "flat", "index", "model", "name", "read", "schema", "write")
 
-    def __init__(self, index: int, model: type[Model], schema: dict[str, Any]) -> None:
+    def __init__(self, index: int, model: type[Model], schema: dict[str, Any], readers: Any) -> None:
         self.index = _long(index)  # the branch's union index, encoded
         self.model = model
         self.name = registry.full_name(model)
@@ -385,14 +289,14 @@ class _BodyType:
         # (log.body_writer, log.body_reader).
         self.write: BodyWriter | None = body_writer(schema) if self.flat else None
         hints = typing.get_type_hints(model)
-        self.read: BodyReader | None = body_reader(schema, hints) if self.flat else None
+        self.read: BodyReader | None = readers.body_reader(schema, hints) if self.flat else None
         # Whether what that reader reads is the body as is: validating would only copy it.
         constrained = {name for name, f in model.model_fields.items() if f.metadata or f.discriminator}
         self.construct = (
             self.read is not None
             and _plain(model)
             and [f["name"] for f in schema["fields"]] == list(model.model_fields)
-            and constructible(schema, hints, constrained)
+            and readers.constructible(schema, hints, constrained)
         )
 
 
@@ -424,7 +328,9 @@ class Codec:
     safe to share.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, compiled: bool | None = None) -> None:
+        """``compiled``: read with the mypyc builds of the readers where they are current
+        (``log.native``; default unless ``AGENTLOG_NATIVE=0``); the results are the same."""
         expanded = registry.expanded_envelope()
         if expanded["fields"][-1]["name"] != "hash":
             raise RuntimeError("the envelope's last field must be hash (see log/codec.py)")
@@ -437,11 +343,15 @@ class Codec:
         for release in registry.releases():
             self._writers[release.fingerprint] = parse_schema(release.schema, named_schemas={})
         self._writers[self.fingerprint] = self._reader
+        readers = native.module("body_reader", compiled=compiled)
+        self._read_head = native.module("head_reader", compiled=compiled).read_head
+        self.compiled = readers.__name__.startswith("log._native.")
+        """Whether the body readers are the mypyc build (``log.native``)."""
         # The fast path: one schema per body type, from the current envelope, parsed on its own.
         names: dict[str, Any] = {}
         _named_types(expanded, registry.NAMESPACE, names)
         self._bodies = [
-            _BodyType(i, model, _standalone(names[registry.full_name(model)], names, set()))
+            _BodyType(i, model, _standalone(names[registry.full_name(model)], names, set()), readers)
             for i, model in enumerate(EVENT_TYPES)
         ]
         self._body_of: dict[type[Model], _BodyType] = {b.model: b for b in self._bodies}
@@ -560,7 +470,7 @@ class Codec:
         """
         size = len(data) - HEADER_LEN
         try:
-            head = _quick_head(data)
+            head = self._read_head(data)
             if head is None:
                 head = _checked_head(data)
             event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, branch, pos = head

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import io
+import types
 from enum import StrEnum
 from typing import Any, NewType
 
 import pytest
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from log.body_reader import body_reader, constructible
+from log import native
+from log.body_reader import constructible
 from log.body_writer import Unusual
 
 pytestmark = pytest.mark.unit
@@ -71,7 +73,14 @@ GOOD: dict[str, Any] = {
     "m": {"k": 1, "": -1},
 }
 PARSED = parse_schema(SCHEMA, named_schemas={})
-READ = body_reader(SCHEMA, HINTS)
+# The module as it is and, where make install built it, its mypyc build (log.native): both read alike.
+MODULES = list({m.__name__: m for m in (native.module("body_reader", compiled=c) for c in (False, True))}.values())
+
+
+@pytest.fixture(params=MODULES, ids=lambda m: m.__name__)
+def readers(request: pytest.FixtureRequest) -> types.ModuleType:
+    module: types.ModuleType = request.param
+    return module
 
 
 def encoded(values: dict[str, Any]) -> bytes:
@@ -97,17 +106,18 @@ def typed(values: dict[str, Any]) -> list[tuple[str, type, Any]]:
     [{}, {"o": "x", "o2": None}, {"xs": [], "ns": [], "m": {}}, {"flag": False, "e": "A", "i": -(2**31)}],
     ids=["good", "other-branches", "empty-collections", "edges"],
 )
-def test_reads_fastavros_values_with_the_models_enum(overrides: dict[str, Any]) -> None:
-    assert READ is not None
+def test_reads_fastavros_values_with_the_models_enum(readers: types.ModuleType, overrides: dict[str, Any]) -> None:
+    read_body = readers.body_reader(SCHEMA, HINTS)
+    assert read_body is not None
     data = b"head" + encoded({**GOOD, **overrides}) + b"tail"
-    values, end = READ(data, 4)
+    values, end = read_body(data, 4)
     expected, expected_end = fastavro_values(data, 4)
     assert end == expected_end == len(data) - 4
     assert type(values["e"]) is E  # the member, not its symbol: the body needs no validation
     assert typed({**values, "e": values["e"].value}) == typed(expected)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.fixed_dictionaries(
         {
@@ -126,12 +136,15 @@ def test_reads_fastavros_values_with_the_models_enum(overrides: dict[str, Any]) 
         }
     )
 )
-def test_generated_values_read_as_fastavro_reads_them_or_are_left_to_it(values: dict[str, Any]) -> None:
-    assert READ is not None
+def test_generated_values_read_as_fastavro_reads_them_or_are_left_to_it(
+    readers: types.ModuleType, values: dict[str, Any]
+) -> None:
+    read_body = readers.body_reader(SCHEMA, HINTS)
+    assert read_body is not None
     data = encoded(values)
     expected, expected_end = fastavro_values(data)
     try:
-        read, end = READ(data, 0)
+        read, end = read_body(data, 0)
     except Unusual:
         # Only longs of ten bytes go back to fastavro (valid bytes of every other kind are read).
         assert any(abs(n) >= 2**62 for n in [values["n"], values["o2"] or 0, *values["ns"], *values["m"].values()])
@@ -150,10 +163,11 @@ def test_generated_values_read_as_fastavro_reads_them_or_are_left_to_it(values: 
     ],
     ids=["cut-varint", "past-the-end", "bad-utf8", "negative-length"],
 )
-def test_bad_bytes_are_left_to_fastavro(data: bytes) -> None:
-    assert READ is not None
+def test_bad_bytes_are_left_to_fastavro(readers: types.ModuleType, data: bytes) -> None:
+    read_body = readers.body_reader(SCHEMA, HINTS)
+    assert read_body is not None
     with pytest.raises(Unusual):
-        READ(data, 0)
+        read_body(data, 0)
 
 
 def at_field(name: str, replacement: bytes) -> bytes:
@@ -190,13 +204,14 @@ def at_field(name: str, replacement: bytes) -> bytes:
         "cut-double",
     ],
 )
-def test_unusual_encodings_are_left_to_fastavro(name: str, replacement: bytes) -> None:
-    assert READ is not None
+def test_unusual_encodings_are_left_to_fastavro(readers: types.ModuleType, name: str, replacement: bytes) -> None:
+    read_body = readers.body_reader(SCHEMA, HINTS)
+    assert read_body is not None
     data = at_field(name, replacement)
     if name == "d":
         data = data[: data.index(replacement) + len(replacement)]
     with pytest.raises(Unusual):
-        READ(data, 0)
+        read_body(data, 0)
 
 
 @pytest.mark.parametrize(
@@ -213,20 +228,21 @@ def test_unusual_encodings_are_left_to_fastavro(name: str, replacement: bytes) -
     ],
     ids=str,
 )
-def test_types_it_does_not_read_get_no_reader(field_type: Any) -> None:
+def test_types_it_does_not_read_get_no_reader(readers: types.ModuleType, field_type: Any) -> None:
     record = {"type": "record", "name": "agentlog.R", "fields": [{"name": "f", "type": field_type}]}
-    assert body_reader(record, {}) is None
+    assert readers.body_reader(record, {}) is None
 
 
-def test_an_enum_the_model_does_not_type_gets_no_reader() -> None:
+def test_an_enum_the_model_does_not_type_gets_no_reader(readers: types.ModuleType) -> None:
+    body_reader = readers.body_reader
     enum = {"type": "enum", "name": "agentlog.E", "symbols": ["A", "C"]}
     record = {"type": "record", "name": "agentlog.R", "fields": [{"name": "e", "type": enum}]}
     assert body_reader(record, {"e": E}) is None  # the model's enum has B, not C
     assert body_reader(record, {"e": str}) is None
 
 
-def test_only_records_get_a_reader() -> None:
-    assert body_reader({"type": "enum", "name": "agentlog.E", "symbols": ["A"]}, {}) is None
+def test_only_records_get_a_reader(readers: types.ModuleType) -> None:
+    assert readers.body_reader({"type": "enum", "name": "agentlog.E", "symbols": ["A"]}, {}) is None
 
 
 def test_constructible_only_where_every_field_is_typed_as_it_reads() -> None:
@@ -246,7 +262,8 @@ def test_constructible_only_where_every_field_is_typed_as_it_reads() -> None:
         assert not constructible(SCHEMA, {**HINTS, name: annotation}, set()), (name, annotation)
 
 
-def test_an_enum_named_again_after_its_definition_is_read_as_defined() -> None:
+def test_an_enum_named_again_after_its_definition_is_read_as_defined(readers: types.ModuleType) -> None:
+    body_reader, constructible = readers.body_reader, readers.constructible
     # As in KVSwapCompleted: from_tier defines the enum, to_tier refers to it by name.
     enum = {"type": "enum", "name": "E", "namespace": "agentlog", "symbols": ["A", "B"]}
     record = {

@@ -1,0 +1,62 @@
+"""log.native: a build of the current source, or the module itself; never a stale build."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+
+from log import body_reader, head_reader, native
+from log.codec import Codec
+from tests.unit.log.test_codec_fast_path import SAMPLES, fields_of, shape
+
+pytestmark = pytest.mark.unit
+
+
+def fake_build(monkeypatch: pytest.MonkeyPatch, digest: str) -> types.ModuleType:
+    built = types.ModuleType("log._native.body_reader")
+    built.SOURCE_DIGEST = digest  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "log._native.body_reader", built)
+    return built
+
+
+def test_a_build_of_the_current_source_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = fake_build(monkeypatch, native.source_digest("body_reader"))
+    assert native.module("body_reader", compiled=True) is built
+
+
+def test_a_build_of_another_source_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_build(monkeypatch, "0" * 64)
+    monkeypatch.setattr(native, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="log.native"):
+        assert native.module("body_reader", compiled=True) is body_reader
+    assert "another log/body_reader.py" in caplog.text
+
+
+def test_builds_are_off_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_build(monkeypatch, native.source_digest("body_reader"))
+    assert native.module("body_reader", compiled=False) is body_reader
+    monkeypatch.setenv("AGENTLOG_NATIVE", "0")
+    assert native.module("body_reader") is body_reader
+    assert native.module("head_reader") is head_reader
+
+
+def test_only_the_compiled_modules_are_asked_for() -> None:
+    with pytest.raises(ValueError, match="not one of the compiled modules"):
+        native.module("codec")
+
+
+@pytest.mark.parametrize("body", SAMPLES[::3])
+def test_compiled_and_interpreted_readers_decode_alike(body: object) -> None:
+    # Without a build both codecs read interpreted and this holds trivially; CI builds them
+    # (make install) and checks with scripts/compile_native.py --check that they are current.
+    record, _ = COMPILED.encode(**fields_of(body))  # type: ignore[arg-type]
+    assert shape(COMPILED.decode(record)) == shape(INTERPRETED.decode(record))
+
+
+COMPILED = Codec(compiled=True)
+INTERPRETED = Codec(compiled=False)
