@@ -370,7 +370,9 @@ def test_bad_requests_get_their_status_and_append_nothing(gateway: Gateway) -> N
     steps = {"steps": [{"tool": "sleep", "arguments": {"seconds": 3600}}]}
     gateway.request(planned, "script", steps)
     gateway.wait_for(planned, lambda s: s.status is not None and s.program == "script" and s.num_steps > 0)
-    time.sleep(2)  # the gateway reads agent.actions live (a poll is at most 0.5 s): it has the SessionStarted
+    deadline = time.monotonic() + 30
+    while _finish(gateway, planned)[0] == 404 and time.monotonic() < deadline:
+        time.sleep(0.5)  # until the gateway read the planner's SessionStarted (then: 409, nothing appended)
     before = gateway.end_offsets()
     status, body = _post(url, json.dumps(good).encode(), planned)
     assert status == 409 and body["error"]["code"] == "session_not_external"

@@ -68,8 +68,8 @@ async def watch(kafka: SecureKafka, namespace: str, done: Any, deadline_s: float
                 else:
                     book.add(event)
             if done(book, letters):
-                break
-    return book, letters
+                return book, letters
+    raise AssertionError(f"not done in {deadline_s} s: {len(book.records)} sessions read, {len(letters)} letters")
 
 
 def test_sessions_run_with_every_role_under_its_own_principal_and_a_forged_verdict_is_never_obeyed(
@@ -144,9 +144,15 @@ def test_sessions_run_with_every_role_under_its_own_principal_and_a_forged_verdi
                 await (await planner.backend.produce("agent.actions", [OutRecord(partition, payer.encode(), record)]))
 
         asyncio.run(forge_on_own_topic())
-        book, letters = asyncio.run(
-            watch(kafka, namespace, lambda _b, ls: any(d.source_session_id == payer for d in ls), deadline_s=30)
-        )
+
+        def forged_read(book: SessionBook, letters: list[Any]) -> bool:
+            # The letter, and the payment as the log holds it (agent.dlq may come first in a poll).
+            payment = book.records.get(payer)
+            return any(d.source_session_id == payer for d in letters) and (
+                payment is not None and "tool-1" in payment.state.tool_calls
+            )
+
+        book, letters = asyncio.run(watch(kafka, namespace, forged_read, deadline_s=30))
         time.sleep(2)  # give a misbehaving executor every chance to run it
         assert all(p.alive() for p in stack.processes.values())
     forged = [d for d in letters if d.source_session_id == payer]

@@ -137,6 +137,19 @@ async def append_verdict(log: SharedLog, session: str, call_id: str) -> None:
     await log.append(session, ev.ToolCallCommitted(call_id=call_id, votes=[], policy="test"))
 
 
+async def until_served(gateway: GatewayWorker, session: str) -> None:
+    """Until the gateway has recorded the session's served call, whose tool call it then proposes.
+
+    A decider votes on a proposal it has read; a verdict of a session the gateway does not
+    know yet is not its own (agent.verdicts carries the planner's sessions too) and is not kept.
+    """
+    for _ in range(1200):
+        if session in gateway.sessions:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the gateway never recorded a served call of {session}")
+
+
 def test_a_restarted_gateway_knows_what_the_first_knew_and_answers_resent_requests_from_the_log(
     log_url: str, namespace: str, engine_url: str
 ) -> None:
@@ -155,7 +168,7 @@ def test_a_restarted_gateway_knows_what_the_first_knew_and_answers_resent_reques
                 one, _ = await post(http, url, "s-plain", plain)
                 _, key_headers = await post(http, url, "s-keyed", keyed, **{"Idempotency-Key": "k-1"})
                 calling = asyncio.ensure_future(post(http, url, "s-tool", asked))
-                await asyncio.sleep(0.5)
+                await until_served(first, "s-tool")
                 await append_verdict(decider, "s-tool", "tool-1")  # as the decider: the call may go out
                 called, _ = await calling
                 assert isinstance(called, dict)
@@ -210,7 +223,7 @@ def test_tool_results_whose_append_fails_are_appended_again_with_the_answer_not_
         ):
             url = f"http://127.0.0.1:{gateway.port}/v1/chat/completions"
             calling = asyncio.ensure_future(post(http, url, "s-tool", asked))
-            await asyncio.sleep(0.5)
+            await until_served(gateway, "s-tool")
             await append_verdict(decider, "s-tool", "tool-1")
             called, _ = await calling
             assert isinstance(called, dict)
@@ -265,7 +278,7 @@ def test_an_ended_session_is_forgotten_after_the_retention_and_its_requests_stil
             async with Running(log_url, namespace, engine_url, retain_ended_s=0.3) as gateway:
                 base = f"http://127.0.0.1:{gateway.port}/v1"
                 calling = asyncio.ensure_future(post(http, f"{base}/chat/completions", "s-done", asked))
-                await asyncio.sleep(0.5)
+                await until_served(gateway, "s-done")
                 await append_verdict(decider, "s-done", "tool-1")
                 await append_verdict(decider, "planner-run", "tool-1")  # not the gateway's: not kept
                 await calling
