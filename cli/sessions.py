@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from log import LoggedEvent, SharedLog
+from log.errors import BackendUnavailable
 from log.topics import SESSION_TOPICS
 from schemas import events as ev
 from services.gateway import adoption_problems
@@ -83,13 +84,20 @@ async def read_log(
         ends = {t: sum((await log.end_offsets(t)).values()) for t in topics}
         seen = 0
         quiet = 0
+        joining = 0
         while quiet < idle_polls or seen < sum(ends.values()) - consumer.stats.num_dead_lettered:
             events = await consumer.poll(timeout_s=0.3, max_records=5000)
             seen += len(events)
             sink(events)
+            if not events and not consumer.assignment_at_poll():
+                # Still joining the group: an empty poll says nothing about the log yet.
+                joining += 1
+                if joining >= 200:
+                    raise BackendUnavailable(f"consumer group {group} got no partitions in 60 s")
+                continue
             quiet = 0 if events else quiet + 1
             if quiet >= 10:
-                break
+                break  # the end offsets count records a reader never gets (transaction markers)
 
 
 def percentile(values: list[float], p: float) -> float:
