@@ -92,6 +92,8 @@ def test_approve_and_deny_decide_held_payments_and_name_their_author(
             if all(rows.get(f"held-{i:04d}", {}).get("tool_calls") == 1 for i in range(2)):
                 break
             time.sleep(0.3)
+        else:
+            raise AssertionError(f"the held tool calls were never proposed: {rows}")
         ok = runner.invoke(
             app, ["approve", "held-0000", "tool-0", "--log-url", pg_url, "--author", "ana", "--reason", "fine"]
         )
@@ -99,12 +101,15 @@ def test_approve_and_deny_decide_held_payments_and_name_their_author(
             app, ["deny", "held-0001", "tool-0", "--log-url", pg_url, "--author", "bo", "--reason", "no"]
         )
         assert ok.exit_code == 0 and no.exit_code == 0, (ok.output, no.output)
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             audit = json.loads(runner.invoke(app, ["audit", "--log-url", pg_url, "--json"]).output)
             by_session = {r["session_id"]: r for r in audit}
             if {by_session.get(f"held-{i:04d}", {}).get("status") for i in range(2)} == {"completed", "aborted"}:
                 break
             time.sleep(0.3)
+        else:
+            raise AssertionError(f"the verdicts never took effect: {audit}")
     assert by_session["held-0000"]["status"] == "completed"
     assert by_session["held-0000"]["approvals"] == [{"author": "ana", "decision": "APPROVE", "reason": "fine"}]
     assert (

@@ -105,15 +105,22 @@ async def serve_by_priority(sim: SimEngine) -> None:
         # The engine is busy with "running" (about 1 s); four requests queue behind it, sent in an
         # order that is not their priorities' (one has none: vLLM's default, 0, the lowest here).
         running = asyncio.create_task(call(completion("running", 100)))
-        await asyncio.sleep(0.2)  # it holds the engine for about a second
+        for _ in range(2000):  # until it holds the engine (for about a second)
+            if sim.stats()["engine_held"]:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            raise AssertionError("the first call never reached the engine")
         queued = [("late", 900), ("early", 100), ("none", None), ("middle", 500)]
         tasks = []
         for name, priority in queued:
             tasks.append(asyncio.create_task(call(completion(name, 4, priority))))
-            for _ in range(400):  # wait until it is queued, so that they queue in this order
+            for _ in range(2000):  # wait until it is queued, so that they queue in this order
                 if sim.stats()["num_waiting"] >= len(tasks):
                     break
                 await asyncio.sleep(0.005)
+            else:
+                raise AssertionError(f"{name} never queued: {sim.stats()}")
         assert not running.done(), "the first call ended before the others queued: the engine is too fast"
         answers = await asyncio.gather(running, *tasks)
     assert finished == ["running", "none", "early", "middle", "late"]

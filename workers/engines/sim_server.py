@@ -187,6 +187,11 @@ class PriorityGate:
     def num_waiting(self) -> int:
         return sum(1 for _, _, turn in self._waiters if not turn.done())
 
+    @property
+    def held(self) -> bool:
+        """Whether a request holds the engine now."""
+        return self._held
+
     def _pass_on(self) -> None:
         while self._waiters:
             _, _, turn = heapq.heappop(self._waiters)
@@ -472,6 +477,7 @@ class SimServer:
                 "num_forced_releases": self.num_forced_releases,
                 "num_forced_swaps": self.num_forced_swaps,
                 "num_waiting": self._gate.num_waiting,  # requests queued for the engine
+                "engine_held": self._gate.held,  # a request is being served
                 "kv_seq": self.kv_seq,
                 "gpu_blocks": cache.num_gpu_blocks,
                 "free_blocks": cache.num_free_blocks,
