@@ -34,9 +34,10 @@ A varint here is Avro's: zig-zag, then little-endian base 128. The first seven
 fields and the hash are coded by hand below. A body, whose shape varies, is
 written by ``log.body_writer`` and read by ``log.body_reader``, each built once
 per body type from its schema, or by fastavro where those leave it (bodies with
-nested records, values or bytes they do not expect). Decoding reads the seven in one pass (``_quick_head``) when every
-length fits in one byte, as in every record written here, and field by field
-(``_checked_head``, fastavro's errors in fastavro's order) otherwise.
+nested records, values or bytes they do not expect). Decoding reads the seven in
+one pass (``log.head_reader.read_head``) when every length fits in one byte, as in
+every record written here, and field by field (``_checked_head``, fastavro's errors
+in fastavro's order) otherwise.
 ``Codec()`` checks that the envelope schema has exactly this layout and that
 the body union lists ``schemas.events.EVENT_TYPES`` in order, and refuses to
 start otherwise, so a schema change cannot silently diverge from the
@@ -141,10 +142,6 @@ def _read_bytes(data: bytes, pos: int) -> tuple[bytes, int]:
 def _read_string(data: bytes, pos: int) -> tuple[str, int]:
     raw, pos = _read_bytes(data, pos)
     return raw.decode(), pos
-
-
-# The envelope's head: event_id, session_id, seq, actor, occurred_at, causation_id,
-# prev_hash, then the body's union branch and the position of the body.
 
 
 def _checked_head(data: bytes) -> Head:

@@ -20,7 +20,7 @@ HEAD_START = 10
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
-Head = tuple[str, str, int, str, datetime, "str | None", bytes, int, int]
+Head = tuple[str, str, int, str, datetime, str | None, bytes, int, int]
 """event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, the body's union
 branch and the position of the body."""
 
