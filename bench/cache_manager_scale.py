@@ -41,7 +41,7 @@ default backend; ``rdkafka``: librdkafka through ``log.rdkafka_backend``), side 
 on the same events. Every Kafka worker row reads its own copy of the backlog (a fresh namespace each), so
 each appends its decisions to an empty ``kv.decisions`` (a second row on the same
 namespace would find the first row's decisions there and append nothing). The process
-runs with the worker process's collector thresholds (``workers.cache_manager.tune_gc``),
+runs with the worker process's collector thresholds (``log.gc_tuning.tune_gc``),
 and the benchmark's own data (events, encoded records) is frozen out of the collector
 before every row, so that rows pay for the state they build, not for the benchmark's.
 ``cpu ev/s`` divides the events by the CPU time the whole process used during the row
@@ -79,13 +79,14 @@ from log import topics as topic_table
 from log.backend import Backend
 from log.chain import ChainVerifier
 from log.codec import ZERO_HASH, Codec
+from log.gc_tuning import GC_THRESHOLDS, tune_gc
 from log.kafka_backend import KafkaBackend
 from log.rdkafka_backend import RdKafkaBackend
 from schemas import events as ev
 from schemas.events import KVTier, SessionId
 from services.cache.manager import CacheManager, ManagerConfig
 from services.cache.policy import CachePolicy
-from workers.cache_manager import GC_THRESHOLDS, CacheManagerWorker, WorkerStats, tune_gc
+from workers.cache_manager import CacheManagerWorker, WorkerStats
 from workers.metrics import WorkerMetrics
 
 T0 = datetime(2026, 6, 1, tzinfo=UTC)

@@ -52,7 +52,9 @@ namespaces of its own (JVM JIT, page cache, the group coordinator, Python
 imports). In the measured round agentlog appends first (raw needs its bytes)
 and raw consumes first, so each side goes first once. The inputs are built
 before any clock starts and frozen out of the garbage collector (``gc.freeze``)
-so that the benchmark's own data does not slow collections down.
+so that the benchmark's own data does not slow collections down. The process runs
+with the collector thresholds every worker process sets (``log.gc_tuning.tune_gc``),
+and both sides share it.
 
 Read the ratios with the CRC-32C line of the header: kafka-python checksums
 every record batch, in pure Python unless the ``crc32c`` package is installed
@@ -89,7 +91,7 @@ from kafka.admin import KafkaAdminClient
 from kafka.errors import KafkaError
 from kafka.record import util as kafka_record_util
 
-from log import Draft, RawRecord, SharedLog
+from log import Draft, RawRecord, SharedLog, tune_gc
 from log.acls import ADMIN, init_secure_log
 from log.chain import ChainVerifier
 from log.codec import Codec
@@ -614,6 +616,8 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "kafka_python": kafka.__version__,
         "crc32c": "native (crc32c package)" if native_crc else "pure Python",
+        "gc_thresholds": gc.get_threshold(),
+        "readers": "compiled" if Codec().compiled else "interpreted",
         "platform": platform.platform(),
     }
 
@@ -679,6 +683,7 @@ def format_table(
         f"({total / num_events:.0f} B/event); MB = 10^6 B of values",
         f"machine: {info['cores']} cores, Python {info['python']}, kafka-python {info['kafka_python']} "
         f"(CRC-32C: {info['crc32c']}), {info['platform']}",
+        f"agentlog's record readers {info['readers']}; collector thresholds {info['gc_thresholds']} on both sides",
         f"load average (1 min) at start and end: {info['load_average']}",
         "",
     ]
@@ -801,6 +806,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    tune_gc()  # as a worker process runs (log/gc_tuning.py); the raw side shares the process
     load_before = os.getloadavg()[0]
     if args.events < 1:
         raise SystemExit("--events must be positive")

@@ -32,7 +32,7 @@ from bench.cache_manager_scale import (
     run_worker,
     workload,
 )
-from workers.cache_manager import tune_gc
+from log.gc_tuning import tune_gc
 
 GOAL = 0.97
 

@@ -42,12 +42,14 @@ from log.errors import (
     UnknownTopic,
     UnsupportedLogUrl,
 )
+from log.gc_tuning import GC_THRESHOLDS, tune_gc
 from log.shared_log import SharedLog
 from log.topics import TOPICS, Topic
 from log.types import Clock, Draft, LoggedEvent, Position, RawRecord, system_clock
 from log.urls import backend_for, open_log
 
 __all__ = [
+    "GC_THRESHOLDS",
     "TOPICS",
     "ActorNotAllowed",
     "AgentLogError",
@@ -86,4 +88,5 @@ __all__ = [
     "backend_for",
     "open_log",
     "system_clock",
+    "tune_gc",
 ]

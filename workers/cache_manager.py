@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import heapq
 import logging
 import os
@@ -125,27 +124,6 @@ class WorkerStats:
     def summary(self) -> str:
         names = ("events", "decisions", "appended", "replayed", "adopted", "recovered", "diverged", "skipped")
         return " ".join(f"{n}={getattr(self, 'num_' + n)}" for n in names)
-
-
-GC_THRESHOLDS = (50_000, 20, 10)
-"""Collector thresholds of the worker process (``tune_gc``); CPython's default is (700, 10, 10)."""
-
-
-def tune_gc() -> None:
-    """Collect young objects every 50,000 allocations instead of every 700.
-
-    The worker holds a large, long-lived, acyclic state (views, block-hash sets, chain
-    tails of every session) and allocates a dozen short-lived objects per record. With
-    the default thresholds a poll's records survive two young collections while the
-    poll is folded, are promoted to the oldest generation, and push it into full
-    collections, each a walk over the whole state: measured on the scale bench, 28
-    full collections took 3.7 s of a 16 s run of 150,000 events. With these
-    thresholds a poll's objects are freed by reference counting before they are ever
-    scanned, and no full collection ran. Only cyclic garbage (rare here) lives longer.
-    Process-wide, so it is called where the worker process starts (``create``) and by
-    the benchmark, not by ``CacheManagerWorker`` itself.
-    """
-    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def scaled(body: Model, time_scale: float) -> Model:
@@ -266,7 +244,6 @@ class CacheManagerWorker(Worker):
 
     @classmethod
     async def create(cls, log: SharedLog, args: argparse.Namespace) -> CacheManagerWorker:
-        tune_gc()
         config = ManagerConfig(
             gpu_total_blocks=args.gpu_blocks,
             host_total_blocks=args.host_blocks,

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Protocol
 
-from log import SharedLog, open_log
+from log import SharedLog, open_log, tune_gc
 from workers.logs import LOG_FORMAT_ENV, LOG_FORMATS, configure_logging
 from workers.metrics import METRICS_PORT_ENV, MetricsPortInUse, WorkerMetrics
 from workers.plugins import add_plugin_arguments, registry_from_args
@@ -75,6 +75,7 @@ def run_worker(worker_class: WorkerClass, argv: list[str] | None = None) -> None
     args = parser.parse_args(argv)
     args.registry = registry_from_args(parser, args)  # every role sees the same programs, tools, voters
     configure_logging(worker_class.role, args.log_level, args.log_format)
+    tune_gc()  # every role consumes the log in polls of hundreds of events (log/gc_tuning.py)
     try:
         asyncio.run(_main(worker_class, args))
     except MetricsPortInUse as e:
