@@ -80,8 +80,15 @@ class Subscription(ABC):
         appends to an owned partition only while CONFIRMED: Kafka itself fences no producer, so
         a member the group dropped without its knowing (its heartbeats lost in a broker outage)
         would write the chains its successor writes. Backends that refuse a second writer
-        themselves (Postgres, memory) and clients that do not tell (librdkafka) say CONFIRMED."""
+        themselves (Postgres, memory) say CONFIRMED."""
         return Membership.CONFIRMED
+
+    async def refresh(self) -> None:
+        """Hear the group's latest word on this member now, between polls, for ``membership()``.
+        A writer waiting for CONFIRMED calls it: librdkafka hands its group reports over only
+        inside a poll, which the waiting writer may be holding up (kafka-python's heartbeat
+        thread needs nothing of the kind). Records it reads meanwhile come with the next poll."""
+        return None
 
     def writing(self) -> AbstractContextManager[object]:
         """Held by a writer from its last look at ``membership()`` until its records are handed

@@ -215,6 +215,11 @@ class EventConsumer:
         """Whether this member's partitions are surely still its own (``Subscription.membership``)."""
         return self._subscription.membership() if self._subscription else Membership.CONFIRMED
 
+    async def refresh_membership(self) -> None:
+        """Hear the group's latest word on this member now (``Subscription.refresh``)."""
+        if self._subscription is not None:
+            await self._subscription.refresh()
+
     def assignment_seen(self) -> bool:
         """Whether ``poll`` has told the log of this member's latest assignment. A rebalance
         completes inside the subscription's poll, on its thread: until that poll returns here,

@@ -20,10 +20,13 @@ in kafka-python (``docs/cache-manager.md``, Scale).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import (
@@ -38,11 +41,12 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from log import topics as topic_table
-from log.backend import Backend, OutRecord, Subscription
+from log.backend import Backend, Membership, OutRecord, Subscription
 from log.errors import BackendUnavailable
 from log.kafka_backend import (
     BOUNDED_DELIVERY_TIMEOUT_MS,
     BOUNDED_REQUEST_TIMEOUT_MS,
+    CONFIRMED_FOR_S,
     SESSION_TIMEOUT_MS,
     KafkaCluster,
     KafkaGroupMember,
@@ -51,7 +55,7 @@ from log.kafka_backend import (
 )
 from log.types import Position, RawRecord
 
-__all__ = ["RdKafkaBackend", "rdkafka_config"]
+__all__ = ["GroupWord", "RdKafkaBackend", "group_word", "membership_of", "rdkafka_config"]
 
 _log = logging.getLogger("agentlog.rdkafka")
 _TIMEOUT_S = 30.0
@@ -222,6 +226,15 @@ class RdKafkaBackend(KafkaCluster, Backend):
         self._delivery = threading.Thread(target=self._deliver, name="agentlog-rdkafka-delivery", daemon=True)
         self._delivery.start()
 
+    def settle_sends(self) -> None:
+        """Block until every record handed to the producer landed or failed (bounded delivery
+        only: it is what lets a member give its partitions up safely; see RdKafkaSubscription)."""
+        producer = self._producer
+        if not self.bounded_delivery or producer is None:
+            return
+        if remaining := producer.flush(2 * BOUNDED_DELIVERY_TIMEOUT_MS / 1000):
+            _log.warning("%d records in flight when partitions were revoked", remaining)
+
     def _deliver(self) -> None:
         """Serve delivery reports (they run inside ``poll``) until ``close``."""
         while self._delivering:
@@ -387,17 +400,117 @@ def _reporter(batch: _Batch, index: int) -> Any:
     return lambda err, msg: batch.report(index, err, msg)
 
 
+STATS_INTERVAL_MS = 250
+"""How often librdkafka reports its group's state to a member (``RdKafkaSubscription.membership``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupWord:
+    """What one librdkafka statistics report says of its consumer group (``group_word``).
+
+    librdkafka exposes no heartbeat; its statistics do carry what the write fence needs
+    (docs/reliability.md, "The write fence"): the group handler's state, its join state and,
+    for the connection to the group coordinator, how long ago anything was received on it.
+    That connection carries the member's heartbeats (one a second), so its last answer is at
+    least as recent as the last heartbeat answered.
+    """
+
+    at: float
+    """When librdkafka made the report, on ``time.monotonic``'s clock (both are CLOCK_MONOTONIC)."""
+    up: bool
+    """The coordinator is known and connected (state ``up``)."""
+    steady: bool
+    """No rebalance under way (join state ``steady``)."""
+    answered: float | None
+    """When the coordinator last answered anything (None: never yet)."""
+
+
+def group_word(stats: str) -> GroupWord | None:
+    """The group's part of a librdkafka statistics report (None when it has no group)."""
+    report = json.loads(stats)
+    group = report.get("cgrp")
+    if group is None:
+        return None
+    at = report["ts"] / 1e6
+    idle_us = report.get("brokers", {}).get("GroupCoordinator", {}).get("rxidle", -1)
+    return GroupWord(
+        at=at,
+        up=group.get("state") == "up",
+        steady=group.get("join_state") == "steady",
+        answered=None if idle_us < 0 else at - idle_us / 1e6,
+    )
+
+
+def membership_of(word: GroupWord | None, assigned_at: float | None, now: float) -> Membership:
+    """What a librdkafka member knows of its membership at ``now`` (``Subscription.membership``),
+    as kafka-python's heartbeat tells it: CONFIRMED while the coordinator answered within
+    ``CONFIRMED_FOR_S``, IN_DOUBT once it has not (or cannot be reached), LOST while a rebalance
+    is under way or the partitions were revoked.
+
+    ``assigned_at``: when the last assignment arrived (None: revoked, or none yet). The
+    assignment is itself an answer of the coordinator; a report made before it speaks of the
+    group as it was before (a rebalance that has ended since).
+    """
+    if assigned_at is None:
+        return Membership.LOST
+    answered = assigned_at
+    if word is not None and word.at >= assigned_at:
+        if not word.steady:
+            return Membership.LOST
+        if not word.up or word.answered is None:
+            return Membership.IN_DOUBT
+        answered = max(answered, word.answered)
+    return Membership.IN_DOUBT if now - answered > CONFIRMED_FOR_S else Membership.CONFIRMED
+
+
 class RdKafkaSubscription(KafkaGroupMember):
-    """A librdkafka group consumer; the broker's group coordinator assigns partitions."""
+    """A librdkafka group consumer; the broker's group coordinator assigns partitions.
+
+    The write fence (docs/reliability.md) as on kafka-python: ``writing()`` is held while
+    records are handed to the producer; a revocation takes it, makes the member LOST and waits
+    for what was handed over to land or fail before the member rejoins; ``membership()`` reads
+    the group's state from librdkafka's statistics (``group_word``), which it reports every
+    ``STATS_INTERVAL_MS`` to the polling thread.
+    """
 
     backend: RdKafkaBackend
+    _word: GroupWord | None = None
+    _assigned_at: float | None = None
+    """When the last assignment arrived (``time.monotonic``); None while there is none."""
     _assigned: frozenset[tuple[str, int]] = frozenset()
     """(logical topic, partition) as the last rebalance callback left it: ``assignment()`` reads
     this, not librdkafka's ``assignment()``, which waits for librdkafka's own thread and, called
     from the event loop while another thread polls, stalls it for milliseconds (or for good)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._writing = threading.Lock()
+        self._polling = asyncio.Lock()  # one call into the consumer at a time: poll or refresh
+        self._early: list[Any] = []  # messages a refresh took, handed out first by the next poll
+
     def assignment(self) -> set[tuple[str, int]]:
         return set(self._assigned)
+
+    def writing(self) -> AbstractContextManager[object]:
+        return self._writing
+
+    def membership(self) -> Membership:
+        return membership_of(self._word, self._assigned_at, time.monotonic())
+
+    async def refresh(self) -> None:
+        # A poll that waits for nothing serves what librdkafka queued (statistics, rebalances);
+        # it may take a message too, kept for the next poll, in order.
+        async with self._polling:
+            if self._consumer is None:
+                return  # closed
+            message = await asyncio.to_thread(self._consumer.poll, 0)
+            if message is not None:
+                self._early.append(message)
+
+    def _on_stats(self, stats: str) -> None:
+        # On the polling thread, inside poll: one assignment, read by the event loop's thread.
+        if (word := group_word(stats)) is not None:
+            self._word = word
 
     def join(self) -> None:
         # As in kafka_backend: a new group starts at the beginning, a dead member's partitions
@@ -407,6 +520,8 @@ class RdKafkaSubscription(KafkaGroupMember):
             "auto.offset.reset": "earliest",
             "session.timeout.ms": SESSION_TIMEOUT_MS,
             "heartbeat.interval.ms": 1000,
+            "statistics.interval.ms": STATS_INTERVAL_MS,
+            "stats_cb": self._on_stats,
         }
         if self.instance_id:
             config["group.instance.id"] = self.instance_id
@@ -418,6 +533,12 @@ class RdKafkaSubscription(KafkaGroupMember):
     # Rebalance callbacks run inside consume, on the polling thread. The default (eager)
     # assignors revoke everything, then assign the new set.
     def _on_revoke(self, consumer: Any, revoked: list[Any]) -> None:
+        # The member rejoins when this returns: from here on no writer hands a record over
+        # (membership() is LOST), and what was handed over lands or fails (bounded delivery)
+        # before the group can give the partitions to another member.
+        with self._writing:
+            self._assigned_at = None
+        self.backend.settle_sends()
         self._held = {(tp.topic, tp.partition) for tp in revoked}
         self._assigned = frozenset()
         consumer.unassign()
@@ -434,9 +555,16 @@ class RdKafkaSubscription(KafkaGroupMember):
         consumer.assign(assigned)
         self._held = {(tp.topic, tp.partition) for tp in assigned}
         self._assigned = frozenset((self.backend.logical(tp.topic), tp.partition) for tp in assigned)
+        self._assigned_at = time.monotonic()
 
     async def poll(self, timeout_s: float, max_records: int) -> list[RawRecord]:
-        messages = await asyncio.to_thread(_take, self._consumer, timeout_s, max_records)
+        async with self._polling:
+            early, self._early = self._early[:max_records], self._early[max_records:]
+            if early:  # something to hand out already: wait for nothing more
+                more = max_records - len(early)
+                messages = [*early, *(await asyncio.to_thread(self._consumer.consume, more, 0) if more else [])]
+            else:
+                messages = await asyncio.to_thread(_take, self._consumer, timeout_s, max_records)
         logical = self.backend.logical
         names: dict[str, str] = {}
         records: list[RawRecord] = []

@@ -221,10 +221,13 @@ class SessionWorker(MarkRecovery, Worker):
         While the group's answer is awaited, the append waits (the heartbeat runs beside this
         loop); a member that must rejoin gives the work up: the rejoin hands every partition
         over again, and whoever then owns the session's replays it and does the work."""
-        # Polled: the answer arrives on kafka-python's heartbeat thread, which sets no event.
+        # Polled: the answer arrives on kafka-python's heartbeat thread, which sets no event, or
+        # (librdkafka) with a poll, which this wait may be holding up: refresh serves it.
         while True:
             if self._group_word(session_id) is Membership.CONFIRMED:
                 return
+            if self.consumer is not None:
+                await self.consumer.refresh_membership()
             await asyncio.sleep(MEMBERSHIP_POLL_S)
 
     @contextlib.contextmanager

@@ -107,6 +107,31 @@ def test_an_append_waits_while_the_group_has_not_confirmed_this_member_and_is_re
     asyncio.run(asyncio.wait_for(scenario(), timeout=10))
 
 
+def test_an_append_waiting_for_the_groups_word_asks_to_hear_it() -> None:
+    """librdkafka hands a member its group's reports inside a poll only, and an append waiting
+    for CONFIRMED may be what holds the worker's next poll up: the wait asks the consumer to
+    hear the group (``EventConsumer.refresh_membership``) instead of only looking again."""
+
+    async def scenario() -> None:
+        store = await _store_with_topics()
+        async with SharedLog(MemoryBackend(store), actor="planner") as log:
+            worker, consumer, session = await _worker_on_partition_1(log)
+            refreshed: list[int] = []
+
+            async def refresh() -> None:
+                refreshed.append(1)
+
+            # The group's word arrives only with a refresh (as librdkafka's with a poll).
+            consumer.membership = lambda: Membership.CONFIRMED if refreshed else Membership.IN_DOUBT  # type: ignore[method-assign]
+            consumer.refresh_membership = refresh  # type: ignore[method-assign]
+            ends = await log.end_offsets("agent.actions")
+            await worker.append(session, STARTED, kind="start")
+            assert refreshed and (await log.end_offsets("agent.actions"))[1] == ends[1] + 1
+            await consumer.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+
+
 async def _worker_on_partition_1(log: SharedLog) -> tuple[SessionWorker, EventConsumer, str]:
     session = next(s for s in (f"s{i}" for i in range(100)) if log.partition_for(s) == 1)
     worker = SessionWorker(log, group="planner")
