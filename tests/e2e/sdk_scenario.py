@@ -94,14 +94,18 @@ class SdkScenario:
             stats: dict[str, Any] = json.loads(response.read())
             return stats
 
-    def drive(self, wanted: list[str], deadline_s: float = 150) -> tuple[SessionBook, list[str]]:
+    def drive(self, wanted: list[str], deadline_s: float = 150) -> tuple[SessionBook, dict[str, str]]:
         return asyncio.run(self._drive(wanted, deadline_s))
 
-    async def _drive(self, wanted: list[str], deadline_s: float) -> tuple[SessionBook, list[str]]:
-        """Like an operator: approve held bookings, resolve in-doubt ones from the ledger, restart the dead."""
+    async def _drive(self, wanted: list[str], deadline_s: float) -> tuple[SessionBook, dict[str, str]]:
+        """Like an operator: approve held bookings, resolve in-doubt ones from the ledger, restart the dead.
+
+        Returns the sessions' states and how each in-doubt call was resolved (``session/call`` ->
+        ``--mark-done`` when the ledger held it, ``--retry`` when it did not: the SIGKILL caught
+        that call before it ran, which happens to whichever other booking was in flight then)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + deadline_s
-        resolved: list[str] = []
+        resolved: dict[str, str] = {}
         approved: set[tuple[str, str]] = set()
         book = SessionBook()
         topics = ["agent.actions", "agent.verdicts", "agent.effects", "ops.commands"]
@@ -126,9 +130,8 @@ class SdkScenario:
                             await log.append(session, approval)
                             approved.add(key)
                         if tool.status.value == "in_doubt" and f"{session}/{call_id}" not in resolved:
-                            resolved.append(f"{session}/{call_id}")
                             done = any(b["key"] == tool.proposed.idempotency_key for b in self.bookings())
-                            flag = "--mark-done" if done else "--retry"
+                            flag = resolved[f"{session}/{call_id}"] = "--mark-done" if done else "--retry"
                             argv = ["approve", session, call_id, flag, "--log-url", self.log_url, "--reason", "ledger"]
                             result = await asyncio.to_thread(
                                 CliRunner().invoke, app, argv, env={"AGENTLOG_NAMESPACE": self.namespace}
