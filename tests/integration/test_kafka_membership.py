@@ -1,4 +1,4 @@
-"""A kafka-python group member knows when the group may have given its partitions away.
+"""A Kafka group member knows when the group may have given its partitions away, on both clients.
 
 Kafka fences no producer: a member that the group dropped without its knowing (a broker outage
 swallowed its heartbeats, then another member took its partitions) would go on appending to the
@@ -6,16 +6,21 @@ chains its successor now writes. The 1,000-session chaos run showed it: after a 
 planner kept writing partition 3 while the restarted planner, alone in the group's next
 generation, wrote it too (docs/reliability.md). ``Subscription.membership`` is what a writer
 asks before it appends: CONFIRMED while heartbeats are answered, IN_DOUBT once none has been for
-half the session timeout, LOST once the group says it must rejoin.
+a third of the session timeout, LOST once the group says it must rejoin.
 
-Here the member's heartbeat is stopped (as a broker outage stops it), a second member joins and
-gets every partition once the first one's session expires, and the first one's heartbeat comes
-back: the group's answer (unknown member) makes it LOST. Every wait is for a state, never a time.
+On kafka-python the member's heartbeat is stopped (as a broker outage stops it), a second member
+joins and gets every partition once the first one's session expires, and the first one's
+heartbeat comes back: the group's answer (unknown member) makes it LOST. librdkafka exposes no
+heartbeat: its member reads the group's state from librdkafka's statistics
+(``log.rdkafka_backend.group_word``); there the test's own broker is SIGSTOPped. On both, a
+revocation waits for a writer's records to land. Every wait is for a state, never a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -23,8 +28,10 @@ from collections.abc import Callable
 import pytest
 
 from cli.common import ensure_topics
-from log.backend import Membership, OutRecord
-from log.kafka_backend import KafkaBackend, KafkaSubscription
+from log.backend import Membership, OutRecord, Subscription
+from log.kafka_backend import KafkaBackend, KafkaCluster, KafkaSubscription
+from log.local_kafka import LocalKafkaBroker
+from log.rdkafka_backend import STATS_INTERVAL_MS, RdKafkaBackend, RdKafkaSubscription
 from log.topics import AGENT_ACTIONS
 
 pytestmark = pytest.mark.integration
@@ -32,8 +39,9 @@ pytestmark = pytest.mark.integration
 STATE_WAIT_S = 60.0
 
 
-async def until(what: str, done: Callable[[], bool], *members: KafkaSubscription) -> None:
-    """Poll the members (their polls run the group protocol) until ``done``."""
+async def until(what: str, done: Callable[[], bool], *members: Subscription) -> None:
+    """Poll the members (their polls run the group protocol; librdkafka's also hand its reports
+    over) until ``done``."""
     deadline = time.monotonic() + STATE_WAIT_S
     while not done():
         assert time.monotonic() < deadline, f"{what}: not after {STATE_WAIT_S:g} s"
@@ -81,8 +89,18 @@ def test_a_member_whose_heartbeats_go_unanswered_is_in_doubt_then_lost(kafka_boo
     asyncio.run(scenario())
 
 
+def revoke(member: Subscription) -> None:
+    """What the group's taking the partitions back runs in the member (inside a poll)."""
+    if isinstance(member, KafkaSubscription):
+        member.on_partitions_revoked([])
+    else:
+        assert isinstance(member, RdKafkaSubscription)
+        member._on_revoke(member._consumer, [])
+
+
+@pytest.mark.parametrize("backend_class", [KafkaBackend, RdKafkaBackend], ids=["kafka-python", "librdkafka"])
 def test_records_handed_over_land_before_the_member_gives_its_partitions_up(
-    kafka_bootstrap: str, namespace: str
+    backend_class: type[KafkaCluster], kafka_bootstrap: str, namespace: str
 ) -> None:
     """The group hands a member's partitions to another only once the member rejoined (or was
     dropped). A record of its own still in the producer would land after the successor read
@@ -93,21 +111,20 @@ def test_records_handed_over_land_before_the_member_gives_its_partitions_up(
 
     async def scenario() -> None:
         # A record waits up to 500 ms in the producer for its batch to fill: in flight for long.
-        backend = KafkaBackend(kafka_bootstrap, namespace=namespace, linger_ms=500, bounded_delivery=True)
+        backend = backend_class(kafka_bootstrap, namespace=namespace, linger_ms=500, bounded_delivery=True)
         await backend.start()
         member = await backend.subscribe(f"fence-{uuid.uuid4().hex[:6]}", [AGENT_ACTIONS.name], from_beginning=True)
-        assert isinstance(member, KafkaSubscription)
         try:
             num_partitions = await backend.num_partitions()
             await until("the member owns every partition", lambda: len(member.assignment()) == num_partitions, member)
+            await until("its membership is confirmed", lambda: member.membership() is Membership.CONFIRMED, member)
             before = await backend.end_offsets(AGENT_ACTIONS.name)
             with member.writing():  # a writer handing a record over
                 produced = await backend.produce(AGENT_ACTIONS.name, [OutRecord(0, b"fence", b"in flight")])
-                # The group takes the partitions back (kafka-python calls this inside a poll).
-                revoke = asyncio.ensure_future(asyncio.to_thread(member.on_partitions_revoked, []))
+                revoking = asyncio.ensure_future(asyncio.to_thread(revoke, member))
                 await asyncio.sleep(0.05)
-                assert not revoke.done()  # it waits for the writer
-            await revoke
+                assert not revoking.done()  # it waits for the writer
+            await revoking
             assert member.membership() is Membership.LOST  # no writer hands a record over now
             after = await backend.end_offsets(AGENT_ACTIONS.name)
             assert after[0] == before[0] + 1  # landed before the partitions went
@@ -117,3 +134,80 @@ def test_records_handed_over_land_before_the_member_gives_its_partitions_up(
             await backend.close()
 
     asyncio.run(scenario())
+
+
+def test_a_member_not_polled_for_long_hears_the_group_with_a_refresh_and_loses_no_record(
+    kafka_bootstrap: str, namespace: str
+) -> None:
+    """librdkafka hands its reports over inside a poll only: a writer waiting for CONFIRMED while
+    its worker's loop is held up (by that very writer) would wait for good. ``refresh`` serves
+    them; what it reads meanwhile comes with the next poll, in order."""
+    ensure_topics(f"kafka://{kafka_bootstrap}", namespace=namespace)
+
+    async def scenario() -> None:
+        backend = RdKafkaBackend(kafka_bootstrap, namespace=namespace)
+        await backend.start()
+        member = await backend.subscribe(f"refresh-{uuid.uuid4().hex[:6]}", [AGENT_ACTIONS.name], from_beginning=True)
+        assert isinstance(member, RdKafkaSubscription)
+        try:
+            num_partitions = await backend.num_partitions()
+            await until("it owns every partition", lambda: len(member.assignment()) == num_partitions, member)
+            await until("confirmed", lambda: member.membership() is Membership.CONFIRMED, member)
+            records = [OutRecord(0, b"refresh", f"{i}".encode()) for i in range(20)]
+            await (await backend.produce(AGENT_ACTIONS.name, records))
+            deadline = time.monotonic() + STATE_WAIT_S
+            while member.membership() is not Membership.IN_DOUBT:  # no poll: the reports stay unread
+                assert time.monotonic() < deadline, "never in doubt without polls"
+                await asyncio.sleep(0.1)
+            while member.membership() is not Membership.CONFIRMED:
+                assert time.monotonic() < deadline, "a refresh never heard the group"
+                await member.refresh()
+                await asyncio.sleep(0.05)
+            got: list[bytes] = []
+            while len(got) < len(records):
+                assert time.monotonic() < deadline, f"{len(got)} of {len(records)} records read"
+                got += [r.value for r in await member.poll(0.1, 7) if r.position.partition == 0]
+            assert got == [r.value for r in records]  # none lost, none twice, in order
+        finally:
+            await member.close()
+            await backend.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_member_whose_coordinator_stops_answering_is_in_doubt_until_it_answers() -> None:
+    with LocalKafkaBroker() as broker:
+        ensure_topics(f"kafka://{broker.bootstrap_servers}", namespace="doubt")
+        pid = broker.pid
+        assert pid is not None
+
+        async def scenario() -> None:
+            backend = RdKafkaBackend(broker.bootstrap_servers, namespace="doubt")
+            await backend.start()
+            member = await backend.subscribe("fence", [AGENT_ACTIONS.name], from_beginning=True)
+            assert isinstance(member, RdKafkaSubscription)
+            try:
+                num_partitions = await backend.num_partitions()
+                await until("it owns every partition", lambda: len(member.assignment()) == num_partitions, member)
+                await until("confirmed", lambda: member.membership() is Membership.CONFIRMED, member)
+                os.kill(pid, signal.SIGSTOP)  # what a broker outage does: no answer
+                try:
+                    await until("in doubt", lambda: member.membership() is Membership.IN_DOUBT, member)
+                    # More reports come (librdkafka makes them itself), none with a newer answer.
+                    reports = member._word
+                    await until("a newer report", lambda: member._word is not reports, member)
+                    await asyncio.sleep(2 * STATS_INTERVAL_MS / 1000)
+                    await member.poll(0.1, 10)
+                    assert member.membership() is Membership.IN_DOUBT
+                    assert len(member.assignment()) == num_partitions  # it still believes them its own
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                # Answered again (after a rejoin if the group dropped it meanwhile).
+                await until("confirmed again", lambda: member.membership() is Membership.CONFIRMED, member)
+                assert len(member.assignment()) == num_partitions
+            finally:
+                await member.close()
+                await backend.close()
+
+        asyncio.run(scenario())
