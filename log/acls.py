@@ -22,6 +22,10 @@ Per role:
 - READ on its own consumer group (the role name, namespaced like topics). The
   operator and the auditor (``logctl``) make up group names, so they get
   PREFIXED group ACLs: ``<role>`` and ``logctl-``.
+- DESCRIBE on the group librdkafka's partition scanners name
+  (``log.kafka_backend.SCAN_GROUP``): the client looks its coordinator up, though a scanner
+  never joins it; without it a scan fails when that answer comes first (seen in the compose
+  stack: ``logctl run`` reading ``ops.commands``).
 - WRITE + DESCRIBE on transactional ids prefixed by its role name (none for the
   auditor).
 
@@ -62,6 +66,7 @@ from kafka.admin import (  # type: ignore[import-untyped,unused-ignore]
 )
 
 from log import topics as topic_table
+from log.kafka_backend import SCAN_GROUP
 
 ADMIN = "admin"
 """The super user (``super.users=User:admin``): creates topics and ACLs; has no ACLs itself."""
@@ -194,6 +199,7 @@ def role_grants(role: Role, namespace: str = "") -> list[Grant]:
         out.add(Grant(p, "GROUP", physical(namespace, g), "READ"))
     for g in role.group_prefixes:
         out.add(Grant(p, "GROUP", physical(namespace, g), "READ", "PREFIXED"))
+    out.add(Grant(p, "GROUP", physical(namespace, SCAN_GROUP), "DESCRIBE"))
     if not role.read_only:
         for op in ("WRITE", "DESCRIBE"):
             out.add(Grant(p, "TRANSACTIONAL_ID", physical(namespace, p), op, "PREFIXED"))

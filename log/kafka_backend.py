@@ -42,6 +42,11 @@ is down, so a broker back after a 10 s restart was reached again only up to 30 s
 chaos bench measured a median recovery of 36-76 s)."""
 _POLL_BATCH = 2000
 
+SCAN_GROUP = "agentlog-scan"
+"""The consumer group librdkafka's partition scanners name (namespaced like every group): the
+client requires one, and librdkafka looks its coordinator up (FindCoordinator, which needs
+DESCRIBE on the group: ``log.acls`` grants it to every role), though a scanner never joins
+it or commits to it."""
 SESSION_TIMEOUT_MS = 6000
 """A group member that stops heartbeating loses its partitions after this (the broker's minimum)."""
 CONFIRMED_FOR_S = SESSION_TIMEOUT_MS / 3000

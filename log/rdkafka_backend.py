@@ -47,6 +47,7 @@ from log.kafka_backend import (
     BOUNDED_DELIVERY_TIMEOUT_MS,
     BOUNDED_REQUEST_TIMEOUT_MS,
     CONFIRMED_FOR_S,
+    SCAN_GROUP,
     SESSION_TIMEOUT_MS,
     KafkaCluster,
     KafkaGroupMember,
@@ -325,11 +326,12 @@ class RdKafkaBackend(KafkaCluster, Backend):
     async def _take_scanner(self) -> Any:
         if self._scanners:
             return self._scanners.pop()
-        # A group id is required by the client, but a scanner assigns partitions itself and
-        # never commits, so it never talks to the group coordinator. It reads up to an end it
-        # knows: a fetch that finds nothing must not wait on the broker (500 ms by default),
-        # because the next scan's partition waits behind it.
-        return await asyncio.to_thread(self._consumer, **{"group.id": "agentlog-scan", "fetch.wait.max.ms": 5})
+        # A group id is required by the client (SCAN_GROUP), though a scanner assigns partitions
+        # itself and never commits. It reads up to an end it knows: a fetch that finds nothing
+        # must not wait on the broker (500 ms by default), because the next scan's partition
+        # waits behind it.
+        config = {"group.id": self.physical(SCAN_GROUP), "fetch.wait.max.ms": 5}
+        return await asyncio.to_thread(self._consumer, **config)
 
     async def scan(
         self, topic: str, partition: int, start: int = 0, end: int | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import stat
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -138,8 +139,10 @@ def test_write_acls_follow_topic_owners_and_reads_follow_the_workers() -> None:
         if g.resource_type == "TOPIC" and g.operation == "WRITE":
             owner = topics.topic(g.name.removeprefix("ns.")).owner
             assert owner in (g.principal, topics.ANY_ACTOR), g
-        if g.resource_type == "GROUP" and g.pattern == "LITERAL":
-            assert g.name == f"ns.{g.principal}", g
+        if g.resource_type == "GROUP" and g.pattern == "LITERAL" and g.operation == "READ":
+            assert g.name == f"ns.{g.principal}", g  # its own group; librdkafka's scan group: DESCRIBE only
+        if g.resource_type == "GROUP" and g.operation == "DESCRIBE":
+            assert (g.name, g.pattern) == ("ns.agentlog-scan", "LITERAL"), g
     assert {t.owner for t in topics.TOPICS} - {topics.ANY_ACTOR} <= set(BY_PRINCIPAL)
     assert not [g for g in grants if g.principal == "auditor" and g.operation == "WRITE"]
     assert set(PRINCIPALS) == {ADMIN, *BY_PRINCIPAL}
@@ -508,3 +511,55 @@ def test_rdkafka_wrong_password_is_refused_at_start(secure_kafka: SecureKafka) -
     b = RdKafkaBackend(secure_kafka.bootstrap, client_config=config)
     with pytest.raises(BackendUnavailable, match="cannot reach Kafka"):
         asyncio.run(b.start())
+
+
+@pytest.mark.parametrize("principal", ["planner", "operator"])
+def test_rdkafka_scanners_may_look_up_their_groups_coordinator(
+    secure_kafka: SecureKafka, ns: str, principal: str
+) -> None:
+    """librdkafka's scanners name a group (the client requires one) and look its coordinator up,
+    which needs DESCRIBE on it: without the grant a scan failed whenever that answer came first
+    (the compose stack's ``logctl run``). Asked here directly, as the scanner's client asks it,
+    and a whole scan through the backend."""
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import AdminClient  # type: ignore[attr-defined]
+
+    from log.kafka_backend import SCAN_GROUP
+    from log.rdkafka_backend import rdkafka_config
+
+    config = {
+        "bootstrap.servers": secure_kafka.bootstrap,
+        **rdkafka_config(secure_kafka.credentials.client_configs(principal)),
+    }
+    admin = AdminClient(config)
+    coordinator_moving = {
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.NOT_COORDINATOR,
+    }
+
+    def describe(group: str) -> Any:
+        """The group's description, asked again while its coordinator is still loading."""
+        deadline = time.monotonic() + 60
+        while True:
+            (answer,) = admin.describe_consumer_groups([group]).values()
+            try:
+                return answer.result(timeout=30)
+            except KafkaException as e:
+                if e.args[0].code() not in coordinator_moving or time.monotonic() > deadline:
+                    raise
+
+    assert describe(f"{ns}.{SCAN_GROUP}").group_id == f"{ns}.{SCAN_GROUP}"  # no GROUP_AUTHORIZATION_FAILED
+    with pytest.raises(KafkaException, match="GROUP_AUTHORIZATION_FAILED"):
+        describe(f"{ns}.decider")  # the ACLs still refuse what they do not grant
+
+    async def scan() -> list[bytes]:
+        await _seed_one_event_per_topic(secure_kafka, ns)
+        b = rd_backend(secure_kafka, ns, principal)
+        await b.start()
+        try:
+            return [r.value for p in range(PARTITIONS) async for r in b.scan("agent.actions", p)]
+        finally:
+            await b.close()
+
+    assert len(asyncio.run(scan())) == 1
