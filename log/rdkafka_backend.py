@@ -6,7 +6,8 @@ the same contract suite; this one parses fetched batches, checks their CRCs and 
 sends in C threads that do not hold the GIL, which is most of what a busy worker spends
 in kafka-python (``docs/cache-manager.md``, Scale).
 
-- Producer: idempotent, ``acks=all``; the partition is computed by ``log.partitioner``
+- Producer: idempotent, ``acks=all``, made at the first append (a role that may not write
+  never asks for a producer id); the partition is computed by ``log.partitioner``
   (Kafka's murmur2 of the session id) as with kafka-python. librdkafka reports deliveries
   only from ``poll``: a daemon thread polls and counts them down into one asyncio future
   per batch (``_Batch``), like ``kafka_backend._BatchWaiter``.
@@ -139,10 +140,11 @@ class _Batch:
     last one wakes the event loop once for the whole batch.
     """
 
-    __slots__ = ("error", "future", "lock", "loop", "offsets", "partitions", "remaining", "topic")
+    __slots__ = ("error", "fatal", "future", "lock", "loop", "offsets", "partitions", "remaining", "topic")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, topic: str, n: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, topic: str, n: int, fatal: list[str]) -> None:
         self.loop = loop
+        self.fatal = fatal  # the producer's fatal error once there is one: the cause of every failure after it
         self.topic = topic
         self.future: asyncio.Future[list[Position]] = loop.create_future()
         self.partitions = [0] * n
@@ -168,7 +170,8 @@ class _Batch:
         if self.future.done():
             return
         if self.error is not None:
-            self.future.set_exception(BackendUnavailable(f"producing to {self.topic} failed: {self.error}"))
+            why = self.fatal[0] if self.fatal else self.error
+            self.future.set_exception(BackendUnavailable(f"producing to {self.topic} failed: {why}"))
             return
         topic = self.topic
         self.future.set_result([Position(topic, p, o) for p, o in zip(self.partitions, self.offsets, strict=True)])
@@ -196,7 +199,9 @@ class RdKafkaBackend(KafkaCluster, Backend):
             bounded_delivery=bounded_delivery,
         )
         self._common = {"bootstrap.servers": bootstrap, "logger": _log, **rdkafka_config(self.client_config)}
-        self._producer: Any = None
+        self._started = False
+        self._producer: Any = None  # made at the first append (_producing)
+        self._fatal: list[str] = []  # set once by the delivery thread, read by the batches it fails
         self._delivering = False
         self._delivery: threading.Thread | None = None
         self._in_order = asyncio.Lock()
@@ -210,27 +215,39 @@ class RdKafkaBackend(KafkaCluster, Backend):
         return Consumer({**self._common, "enable.auto.commit": False, "enable.partition.eof": False, **config})
 
     async def start(self) -> None:
-        producer = Producer(
-            {
-                "linger.ms": self.linger_ms,
-                "queue.buffering.max.messages": 1_000_000,
-                **self._delivery_config(),
-                **self._common,  # the caller's settings may change the two above, not the two below
-                "acks": "all",
-                "enable.idempotence": True,
-            }
-        )
-        # librdkafka connects lazily: ask for metadata once so that an unreachable broker
-        # fails here, as kafka-python's producer does, not at the first append.
+        # librdkafka connects lazily: ask for metadata once so that an unreachable broker or a
+        # refused login fails here, as kafka-python's producer does, not at the first append.
+        scanner = await self._take_scanner()
         try:
-            await asyncio.to_thread(producer.list_topics, None, 10.0)
+            await asyncio.to_thread(scanner.list_topics, None, 10.0)
         except KafkaException as e:
+            await asyncio.to_thread(scanner.close)
             raise BackendUnavailable(f"cannot reach Kafka at {self.bootstrap}: {_error(e)}") from e
-        self._producer = producer
-        _log.info("producing to %s with librdkafka %s", self.bootstrap, libversion()[0])
-        self._delivering = True
-        self._delivery = threading.Thread(target=self._deliver, name="agentlog-rdkafka-delivery", daemon=True)
-        self._delivery.start()
+        self._scanners.append(scanner)
+        self._started = True
+        _log.info("connected to %s with librdkafka %s", self.bootstrap, libversion()[0])
+
+    def _producing(self) -> Any:
+        """The producer, made at the first append. An idempotent producer asks the cluster for a
+        producer id as soon as it exists, and a role that may not write (the auditor) is refused
+        that with an error fatal to the client: made at ``start`` it would fail every read-only
+        ``logctl`` command's log with a critical line."""
+        if self._producer is None:
+            self._fatal = []
+            self._producer = Producer(
+                {
+                    "linger.ms": self.linger_ms,
+                    "queue.buffering.max.messages": 1_000_000,
+                    **self._delivery_config(),
+                    **self._common,  # the caller's settings may change the two above, not the two below
+                    "acks": "all",
+                    "enable.idempotence": True,
+                }
+            )
+            self._delivering = True
+            self._delivery = threading.Thread(target=self._deliver, name="agentlog-rdkafka-delivery", daemon=True)
+            self._delivery.start()
+        return self._producer
 
     def settle_sends(self) -> None:
         """Block until every record handed to the producer landed or failed (bounded delivery
@@ -244,9 +261,17 @@ class RdKafkaBackend(KafkaCluster, Backend):
     def _deliver(self) -> None:
         """Serve delivery reports (they run inside ``poll``) until ``close``."""
         while self._delivering:
-            self._producer.poll(0.05)
+            try:
+                self._producer.poll(0.05)
+            except KafkaException as e:
+                # A fatal error (the cluster refused this client a producer id: a role that may
+                # not write) is raised here once. librdkafka fails every record it held with
+                # it, and the next polls serve those reports: the appends fail, none hangs.
+                self._fatal.append(_error(e))
+                _log.error("the producer failed: %s", self._fatal[0])
 
     async def close(self) -> None:
+        self._started = False
         if self._producer is not None:
             remaining = await asyncio.to_thread(self._producer.flush, _TIMEOUT_S)
             self._delivering = False
@@ -305,11 +330,11 @@ class RdKafkaBackend(KafkaCluster, Backend):
         return self._num_partitions
 
     async def produce(self, topic: str, records: Sequence[OutRecord]) -> asyncio.Future[list[Position]]:
-        if self._producer is None:
+        if not self._started:
             raise RuntimeError("backend not started")
-        batch = _Batch(asyncio.get_running_loop(), topic, len(records))
+        batch = _Batch(asyncio.get_running_loop(), topic, len(records), self._fatal)
         physical = self.physical(topic)
-        produce = self._producer.produce
+        produce = self._producing().produce
         # One call at a time: a call that waits for room in the local queue must not let a
         # later call's records in between its own.
         async with self._in_order:
@@ -321,6 +346,8 @@ class RdKafkaBackend(KafkaCluster, Backend):
                         break
                     except BufferError:  # the local queue is full: let the broker catch up
                         await asyncio.sleep(0.01)
+                    except KafkaException as e:  # a fatal error took the producer (see _deliver)
+                        raise BackendUnavailable(f"producing to {topic} failed: {_error(e)}") from e
         return batch.future
 
     async def _take_scanner(self) -> Any:

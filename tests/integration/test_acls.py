@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import stat
 import time
 import uuid
@@ -563,3 +564,33 @@ def test_rdkafka_scanners_may_look_up_their_groups_coordinator(
             await b.close()
 
     assert len(asyncio.run(scan())) == 1
+
+
+def test_rdkafka_auditor_reads_every_topic_and_its_one_append_is_refused(
+    secure_kafka: SecureKafka, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read-only role on librdkafka: reading logs nothing above INFO (the idempotent producer,
+    which the auditor may not have, is made at the first append, not at start), and that
+    append fails with the broker's refusal instead of hanging."""
+
+    async def main() -> list[str]:
+        await _seed_one_event_per_topic(secure_kafka, ns)
+        seen: list[str] = []
+        async with SharedLog(rd_backend(secure_kafka, ns, "auditor"), actor="auditor") as log:
+            async with log.consumer(
+                f"logctl-audit-{uuid.uuid4().hex[:8]}", ALL_TOPICS, from_beginning=True
+            ) as consumer:
+                for _ in range(30):
+                    seen += [e.position.topic for e in await consumer.poll(1.0)]
+                    if len(seen) >= len(ALL_TOPICS):
+                        break
+                await consumer.commit()
+            assert [r for r in caplog.records if r.name.startswith("agentlog") and r.levelno > logging.INFO] == []
+            backend = log.backend
+            with pytest.raises(BackendUnavailable, match="AUTHORIZATION_FAILED"):
+                await asyncio.wait_for(await backend.produce("agent.dlq", [OutRecord(0, b"s-1", b"x")]), 60)
+        return seen
+
+    caplog.set_level(logging.INFO, logger="agentlog")
+    assert sorted(asyncio.run(main())) == sorted(ALL_TOPICS)
+    assert end_offsets(secure_kafka, ns) == dict.fromkeys(ALL_TOPICS, 1)
