@@ -42,8 +42,8 @@ never see each other's data; its topics are deleted at the end.
 
 Clients (``--clients``): agentlog's side runs once per Kafka client it can use
 (``python``: kafka-python, ``log.kafka_backend``; ``rdkafka``: librdkafka,
-``log.rdkafka_backend``), each in a namespace of its own, rows side by side
-(``append [rdkafka]``); the raw side is always kafka-python, once per round, on
+``log.rdkafka_backend``, the default client of ``kafka://`` logs; both by default), each in a
+namespace of its own, rows side by side (``append [rdkafka]``); the raw side is always kafka-python, once per round, on
 the bytes the first client's SharedLog wrote. So every ratio is "agentlog on
 that client / raw kafka-python on the same bytes", in one run.
 
@@ -457,7 +457,7 @@ async def agentlog_append(
 
 
 def _suffix(client: str) -> str:
-    """What names a client's phase (none for kafka-python, the default client)."""
+    """What names a client's phase (none for kafka-python, the raw side's client)."""
     return "" if client == "python" else f"_{client}"
 
 
@@ -812,8 +812,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--clients",
         nargs="+",
         choices=CLIENTS,
-        default=["python"],
-        help="agentlog's Kafka clients, one row each beside raw kafka-python (default: %(default)s)",
+        default=["python", "rdkafka"],
+        help="agentlog's Kafka clients, one row each beside raw kafka-python (default: both)",
     )
     parser.add_argument(
         "--secure-compare",

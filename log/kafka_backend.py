@@ -23,6 +23,7 @@ from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 from kafka import KafkaConsumer, KafkaProducer
+from kafka import __version__ as kafka_python_version
 from kafka.admin import KafkaAdminClient
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError, TopicAlreadyExistsError
@@ -317,6 +318,7 @@ class KafkaBackend(KafkaCluster, Backend):
             self._producer = await built_in_thread(self._new_producer, lambda producer: producer.close())
         except KafkaError as e:
             raise BackendUnavailable(f"cannot reach Kafka at {self.bootstrap}: {e}") from e
+        _log.info("producing to %s with kafka-python %s", self.bootstrap, kafka_python_version)
 
     async def close(self) -> None:
         """Close the producer and every scan consumer, all of them even if the caller gives up.

@@ -1,10 +1,10 @@
-"""The Kafka backend on librdkafka (confluent-kafka): the same log, a native client.
+"""The Kafka backend on librdkafka (confluent-kafka): the default client of ``kafka://`` logs.
 
-``kafka://`` logs use ``log.kafka_backend`` (kafka-python) unless ``AGENTLOG_KAFKA_CLIENT``
-is ``rdkafka`` (see ``log.urls``). Both write the same records to the same topics and pass
-the same contract suite; this one parses fetched batches, checks their CRCs and batches
-sends in C threads that do not hold the GIL, which is most of what a busy worker spends
-in kafka-python (``docs/cache-manager.md``, Scale).
+``kafka://`` logs use this backend unless ``AGENTLOG_KAFKA_CLIENT=python`` picks
+``log.kafka_backend`` (kafka-python; see ``log.urls``). Both write the same records to the
+same topics and pass the same contract suite; this one parses fetched batches, checks their
+CRCs and batches sends in C threads that do not hold the GIL, which is most of what a busy
+worker spends in kafka-python (``docs/cache-manager.md``, Scale).
 
 - Producer: idempotent, ``acks=all``, made at the first append (a role that may not write
   never asks for a producer id); the partition is computed by ``log.partitioner``

@@ -1,7 +1,7 @@
 """Open the log named by a URL.
 
-- ``kafka://host:port[,host:port...]``: the Kafka backend (production), on kafka-python, or
-  on librdkafka when ``AGENTLOG_KAFKA_CLIENT=rdkafka`` (``log.rdkafka_backend``);
+- ``kafka://host:port[,host:port...]``: the Kafka backend (production), on librdkafka
+  (``log.rdkafka_backend``), or on kafka-python when ``AGENTLOG_KAFKA_CLIENT=python``;
 - ``postgresql://...``: a Postgres server of your own;
 - nothing (or ``embedded``): the embedded Postgres default, started on demand;
 - ``memory:NAME`` (or ``memory``, the store named ``default``): an in-memory log that only
@@ -27,6 +27,7 @@ COMPOSE_PG_URL = "postgresql://agentlog@localhost:5432/agentlog"
 ENV_NAMESPACE = "AGENTLOG_NAMESPACE"
 ENV_KAFKA_CLIENT = "AGENTLOG_KAFKA_CLIENT"
 KAFKA_CLIENTS = ("python", "rdkafka")
+DEFAULT_KAFKA_CLIENT = "rdkafka"
 
 
 def kafka_backend(
@@ -37,12 +38,13 @@ def kafka_backend(
     linger_ms: int | None = None,
     bounded_delivery: bool = False,
 ) -> Backend:
-    """The Kafka backend on the client ``AGENTLOG_KAFKA_CLIENT`` names (kafka-python by default).
+    """The Kafka backend on the client ``AGENTLOG_KAFKA_CLIENT`` names (librdkafka by default:
+    faster on every measure, docs/benchmarks.md; kafka-python with ``python``).
 
     ``linger_ms``: how long the producer waits to fill a batch (None: the backend's default).
     ``bounded_delivery``: each record lands or fails within 1.5 s (the session workers' fence,
     ``log.kafka_backend.BOUNDED_DELIVERY_TIMEOUT_MS``), not the client's 120 s."""
-    client = os.environ.get(ENV_KAFKA_CLIENT) or "python"
+    client = os.environ.get(ENV_KAFKA_CLIENT) or DEFAULT_KAFKA_CLIENT
     options: dict[str, Any] = {"bounded_delivery": bounded_delivery}
     if linger_ms is not None:
         options["linger_ms"] = linger_ms
@@ -56,7 +58,10 @@ def kafka_backend(
         except ModuleNotFoundError as e:
             if e.name != "confluent_kafka":
                 raise
-            msg = f"{ENV_KAFKA_CLIENT}=rdkafka needs librdkafka's client: pip install 'agentlog[rdkafka]'"
+            msg = (
+                "the Kafka log needs librdkafka's client, a dependency of agentlog: pip install confluent-kafka "
+                f"(or {ENV_KAFKA_CLIENT}=python for kafka-python)"
+            )
             raise ValueError(msg) from None
 
         return RdKafkaBackend(bootstrap, namespace=namespace, client_config=client_config, **options)

@@ -152,20 +152,23 @@ def test_two_planners_split_partitions_and_a_dead_ones_sessions_move(
         stack.stop()
 
 
-# ---------------------------------------------------------------------------- the librdkafka client
-# The same scenarios with every process (and this test's own log clients) on librdkafka
-# (log/rdkafka_backend.py): a crash after each role's append, an irreversible call caught
-# mid-flight, and a group rebalance after a member dies.
+# ---------------------------------------------------------------------------- the kafka-python client
+# The same scenarios with every process (and this test's own log clients) on kafka-python
+# (log/kafka_backend.py, AGENTLOG_KAFKA_CLIENT=python; the tests above run on the default,
+# librdkafka): a crash after each role's append, an irreversible call caught mid-flight, and a
+# group rebalance after a member dies.
 
-RDKAFKA_CRASH_POINTS = [
+KAFKA_PYTHON_CRASH_POINTS = [
     ("planner-0", "planner.after_llm_completed:4"),
     ("decider", "decider.after_verdict:2"),
     ("executor", "executor.after_started.payment:1"),
 ]
 
 
-@pytest.mark.parametrize(("victim", "crash_at"), RDKAFKA_CRASH_POINTS, ids=[c for _, c in RDKAFKA_CRASH_POINTS])
-def test_kill_anywhere_and_complete_exactly_once_on_librdkafka(
+@pytest.mark.parametrize(
+    ("victim", "crash_at"), KAFKA_PYTHON_CRASH_POINTS, ids=[c for _, c in KAFKA_PYTHON_CRASH_POINTS]
+)
+def test_kill_anywhere_and_complete_exactly_once_on_kafka_python(
     victim: str,
     crash_at: str,
     kafka_bootstrap: str,
@@ -174,15 +177,15 @@ def test_kill_anywhere_and_complete_exactly_once_on_librdkafka(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("AGENTLOG_KAFKA_CLIENT", "rdkafka")  # inherited by every process of the stack
+    monkeypatch.setenv("AGENTLOG_KAFKA_CLIENT", "python")  # inherited by every process of the stack
     test_kill_anywhere_and_complete_exactly_once(victim, crash_at, kafka_bootstrap, namespace, pg_url, tmp_path)
     for name in ("decider", "executor", "planner-0"):
-        assert "with librdkafka" in (tmp_path / "logs" / f"{name}.log").read_text(errors="replace"), name
+        assert "with kafka-python" in (tmp_path / "logs" / f"{name}.log").read_text(errors="replace"), name
 
 
-def test_two_planners_split_partitions_and_a_dead_ones_sessions_move_on_librdkafka(
+def test_two_planners_split_partitions_and_a_dead_ones_sessions_move_on_kafka_python(
     kafka_bootstrap: str, namespace: str, pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("AGENTLOG_KAFKA_CLIENT", "rdkafka")
+    monkeypatch.setenv("AGENTLOG_KAFKA_CLIENT", "python")
     test_two_planners_split_partitions_and_a_dead_ones_sessions_move(kafka_bootstrap, namespace, pg_url, tmp_path)
-    assert "with librdkafka" in (tmp_path / "logs" / "planner-0.log").read_text(errors="replace")
+    assert "with kafka-python" in (tmp_path / "logs" / "planner-0.log").read_text(errors="replace")

@@ -45,7 +45,11 @@ async def no_mark(topic: str, partition: int) -> StartAt | None:
     return None  # what a worker's hook answers when it finds no mark: read the partition from 0
 
 
-def test_a_dropped_member_reads_the_partitions_it_gets_back_from_offset_0(kafka_bootstrap: str, namespace: str) -> None:
+def test_a_dropped_member_reads_the_partitions_it_gets_back_from_offset_0(
+    kafka_bootstrap: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # kafka-python's member: the outage is made by stopping its coordinator's heartbeats.
+    monkeypatch.setenv("AGENTLOG_KAFKA_CLIENT", "python")
     url = f"kafka://{kafka_bootstrap}"
     ensure_topics(url, namespace=namespace)
     group = f"planner-{uuid.uuid4().hex[:6]}"

@@ -36,8 +36,20 @@ def test_the_broker_files_ship_inside_the_package_and_jars_go_to_the_user_cache(
 
 
 def test_the_librdkafka_client_missing_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(urls.ENV_KAFKA_CLIENT, "rdkafka")
+    monkeypatch.delenv(urls.ENV_KAFKA_CLIENT, raising=False)  # the default client
     monkeypatch.delitem(sys.modules, "log.rdkafka_backend", raising=False)
-    monkeypatch.setitem(sys.modules, "confluent_kafka", None)  # as if the extra were not installed
-    with pytest.raises(ValueError, match=r"pip install 'agentlog\[rdkafka\]'"):
+    monkeypatch.setitem(sys.modules, "confluent_kafka", None)  # as if it had been uninstalled
+    with pytest.raises(ValueError, match=r"pip install confluent-kafka \(or AGENTLOG_KAFKA_CLIENT=python"):
         urls.kafka_backend("127.0.0.1:1")
+
+
+def test_kafka_logs_default_to_librdkafka_and_kafka_python_is_one_setting_away(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from log.kafka_backend import KafkaBackend
+    from log.rdkafka_backend import RdKafkaBackend
+
+    monkeypatch.delenv(urls.ENV_KAFKA_CLIENT, raising=False)
+    assert isinstance(urls.kafka_backend("127.0.0.1:1"), RdKafkaBackend)
+    monkeypatch.setenv(urls.ENV_KAFKA_CLIENT, "python")
+    assert isinstance(urls.kafka_backend("127.0.0.1:1"), KafkaBackend)
