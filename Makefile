@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-## The codec's hot readers compiled with mypyc (log/native.py); without a C compiler they run as they are.
+## The codec's hot readers and writer compiled with mypyc (log/native.py); without a C compiler they run as they are.
 log/_native/.built: $(VENV)/.installed log/head_reader.py log/body_reader.py log/body_writer.py scripts/compile_native.py
 	$(PY) scripts/compile_native.py
 	touch $@

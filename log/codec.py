@@ -71,7 +71,7 @@ from pydantic import ValidationError
 
 from log import native
 from log.body_reader import BodyReader
-from log.body_writer import MAX_LONG, MIN_LONG, BodyWriter, Unusual, body_writer, varint
+from log.body_writer import BodyWriter, Unusual, varint
 from log.errors import BadMagic, HashMismatch, SchemaMismatch, TruncatedRecord, UnknownFingerprint
 from log.head_reader import EPOCH as _EPOCH
 from log.head_reader import HEAD_START, Head, read_long
@@ -111,18 +111,6 @@ def to_micros(moment: datetime) -> int:
 
 
 # ------------------------------------------------------------ Avro primitives
-
-_NULL_BRANCH = b"\x00"  # union branch 0 (null)
-_SECOND_BRANCH = b"\x02"  # union branch 1 (zig-zag 1)
-_utf8 = str.encode  # unlike s.encode(), raises TypeError for a non-str, as fastavro does
-
-
-def _long(n: int) -> bytes:
-    """The Avro encoding of a long: zig-zag, then a little-endian base-128 varint."""
-    if not MIN_LONG <= n <= MAX_LONG:
-        raise OverflowError(f"{n} does not fit in an Avro long (64 bits)")  # fastavro refuses it too
-    return varint(n)
-
 
 # The readers below fail the way fastavro's reader does on the same bad bytes, so the
 # generic path's exception mapping applies unchanged: no byte left where a long starts,
@@ -276,15 +264,15 @@ class _BodyType:
 
     __slots__ = ("construct", "flat", "index", "model", "name", "read", "schema", "write")
 
-    def __init__(self, index: int, model: type[Model], schema: dict[str, Any], readers: Any) -> None:
-        self.index = _long(index)  # the branch's union index, encoded
+    def __init__(self, index: int, model: type[Model], schema: dict[str, Any], readers: Any, writers: Any) -> None:
+        self.index = varint(index)  # the branch's union index, encoded
         self.model = model
         self.name = registry.full_name(model)
         self.schema = parse_schema(schema, named_schemas={})
         self.flat = _is_flat(model)
         # A writer and a reader of our own for the bodies whose __dict__ is their dump
         # (log.body_writer, log.body_reader).
-        self.write: BodyWriter | None = body_writer(schema) if self.flat else None
+        self.write: BodyWriter | None = writers.body_writer(schema) if self.flat else None
         hints = typing.get_type_hints(model)
         self.read: BodyReader | None = readers.body_reader(schema, hints) if self.flat else None
         # Whether what that reader reads is the body as is: validating would only copy it.
@@ -342,13 +330,16 @@ class Codec:
         self._writers[self.fingerprint] = self._reader
         readers = native.module("body_reader", compiled=compiled)
         self._read_head = native.module("head_reader", compiled=compiled).read_head
+        writers = native.module("body_writer", compiled=compiled)
+        self._write_head = writers.write_head
+        self._unusual_value = (writers.Unusual, KeyError, UnicodeEncodeError)  # the writer's own Unusual
         self.compiled = readers.__name__.startswith("log._native.")
         """Whether the body readers are the mypyc build (``log.native``)."""
         # The fast path: one schema per body type, from the current envelope, parsed on its own.
         names: dict[str, Any] = {}
         _named_types(expanded, registry.NAMESPACE, names)
         self._bodies = [
-            _BodyType(i, model, _standalone(names[registry.full_name(model)], names, set()), readers)
+            _BodyType(i, model, _standalone(names[registry.full_name(model)], names, set()), readers, writers)
             for i, model in enumerate(EVENT_TYPES)
         ]
         self._body_of: dict[type[Model], _BodyType] = {b.model: b for b in self._bodies}
@@ -371,38 +362,24 @@ class Codec:
         body_type = self._body_of.get(type(body))
         if body_type is None:
             raise ValueError(f"a {type(body).__name__} is not an event body (see schemas.events.EVENT_TYPES)")
-        if causation_id is None:
-            cause = _NULL_BRANCH
-        elif isinstance(causation_id, str):
-            cause_bytes = _utf8(causation_id)
-            cause = _SECOND_BRANCH + _long(len(cause_bytes)) + cause_bytes
-        else:
+        if causation_id is not None and not isinstance(causation_id, str):
             raise ValueError(f"causation_id {causation_id!r} is neither null nor a string")
-        event_id_bytes = _utf8(event_id)
-        session_bytes = _utf8(session_id)
-        actor_bytes = _utf8(actor)
-        head = b"".join(
-            (
-                self._header,
-                _long(len(event_id_bytes)),
-                event_id_bytes,
-                _long(len(session_bytes)),
-                session_bytes,
-                _long(seq),
-                _long(len(actor_bytes)),
-                actor_bytes,
-                _long(to_micros(occurred_at)),
-                cause,
-                _long(len(prev_hash)),
-                prev_hash,
-                body_type.index,
-            )
+        head = self._write_head(
+            self._header,
+            event_id,
+            session_id,
+            seq,
+            actor,
+            to_micros(occurred_at),
+            causation_id,
+            prev_hash,
+            body_type.index,
         )
         encoded = None
         if body_type.write is not None:
             try:
                 encoded = body_type.write(body.__dict__)
-            except (Unusual, KeyError, UnicodeEncodeError):
+            except self._unusual_value:
                 encoded = None  # fastavro decides what such a value means (or which error it is)
         if encoded is None:
             buf = io.BytesIO()

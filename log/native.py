@@ -1,10 +1,11 @@
-"""The codec's hot readers compiled, where they were built from the current sources.
+"""The codec's hot readers and writer compiled, where they were built from the current sources.
 
 Decoding a record is the log's largest cost per event, and most of it is reading bytes
-in Python: the envelope's head (``log.head_reader``) and the body (``log.body_reader``).
-``scripts/compile_native.py``, which ``make install`` runs, compiles those two modules
-with mypyc (it comes with mypy, a dev dependency; it needs a C compiler) into
-``log/_native/``: the same source, about twice as fast (docs/benchmarks.md).
+in Python: the envelope's head (``log.head_reader``) and the body (``log.body_reader``);
+encoding one is mostly writing them (``log.body_writer``). ``scripts/compile_native.py``,
+which ``make install`` runs, compiles those three modules with mypyc (it comes with mypy,
+a dev dependency; it needs a C compiler) into ``log/_native/``: the same source, about
+twice as fast (docs/benchmarks.md).
 
 Where nothing was built (no compiler, a plain ``pip install``), or the build is of
 another version of the source (each build carries the SHA-256 of the file it was made
@@ -23,7 +24,7 @@ from pathlib import Path
 
 __all__ = ["COMPILED", "module", "source_digest"]
 
-COMPILED = ("head_reader", "body_reader")
+COMPILED = ("head_reader", "body_reader", "body_writer")
 """The modules of ``log`` that ``scripts/compile_native.py`` compiles."""
 
 _HERE = Path(__file__).parent

@@ -28,7 +28,7 @@ from log.native import COMPILED, module, source_digest  # noqa: E402
 LOG = ROOT / "log"
 OUT = LOG / "_native"
 # What mypy reads beside each compiled module to check it (its imports inside log/).
-SUPPORT = {"body_reader": ["body_writer.py"], "head_reader": []}
+SUPPORT = {"body_reader": ["body_writer.py"], "head_reader": [], "body_writer": []}
 
 
 def current() -> list[str]:

@@ -462,11 +462,11 @@ def test_causation_union_indexes_out_of_range_read_as_in_the_generic_path(index:
 
 @pytest.mark.parametrize("index", [-1, -32, -33, 32, 33])
 def test_body_union_indexes_out_of_range_read_as_in_the_generic_path(index: int) -> None:
-    from log.codec import _long
+    from log.body_writer import varint
 
     unhashed = RECORD[HEADER_LEN:-33]
     at = unhashed.index(b"\x0a\x02c")  # ToolCallProposed is branch 5 (zig-zag 0x0a), then call_id "c"
-    record = rehash(unhashed[:at] + _long(index) + unhashed[at + 1 :])
+    record = rehash(unhashed[:at] + varint(index) + unhashed[at + 1 :])
     assert outcome(CODEC.decode, record) == outcome(reference_decode, record)
 
 

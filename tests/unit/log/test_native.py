@@ -10,7 +10,8 @@ import pytest
 
 from log import body_reader, head_reader, native
 from log.codec import Codec
-from tests.unit.log.test_codec_fast_path import SAMPLES, fields_of, shape
+from schemas import events
+from tests.unit.log.test_codec_fast_path import SAMPLES, VARINT_EDGES, fields_of, shape
 
 pytestmark = pytest.mark.unit
 
@@ -56,6 +57,34 @@ def test_compiled_and_interpreted_readers_decode_alike(body: object) -> None:
     # (make install) and checks with scripts/compile_native.py --check that they are current.
     record, _ = COMPILED.encode(**fields_of(body))  # type: ignore[arg-type]
     assert shape(COMPILED.decode(record)) == shape(INTERPRETED.decode(record))
+
+
+@pytest.mark.parametrize("body", SAMPLES[::3])
+def test_compiled_and_interpreted_writers_encode_alike(body: object) -> None:
+    for overrides in ({}, {"causation_id": "cause", "seq": 2**40, "prev_hash": b"\x01" * 32}):
+        fields = fields_of(body, **overrides)  # type: ignore[arg-type]
+        assert COMPILED.encode(**fields) == INTERPRETED.encode(**fields)
+
+
+@pytest.mark.parametrize("seq", VARINT_EDGES)
+def test_compiled_and_interpreted_writers_encode_longs_alike(seq: int) -> None:
+    fields = fields_of(events.SessionFinished(output_json="{}", num_llm_calls=seq, num_tool_calls=~seq), seq=seq)
+    assert COMPILED.encode(**fields) == INTERPRETED.encode(**fields)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"seq": 2**63}, {"seq": -(2**63) - 1}, {"causation_id": 5}, {"event_id": "lone \ud800"}, {"actor": 7}],
+    ids=["seq-too-large", "seq-too-small", "causation-int", "surrogate", "actor-int"],
+)
+def test_compiled_and_interpreted_writers_refuse_alike(overrides: dict[str, object]) -> None:
+    fields = fields_of(events.SessionFailed(reason="r", error_type="E"), **overrides)
+    errors = []
+    for codec in (COMPILED, INTERPRETED):
+        with pytest.raises(Exception) as refused:
+            codec.encode(**fields)
+        errors.append(type(refused.value))
+    assert errors[0] is errors[1]
 
 
 COMPILED = Codec(compiled=True)
