@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -57,10 +58,12 @@ from log.kafka_backend import (
 )
 from log.types import Position, RawRecord
 
-__all__ = ["GroupWord", "RdKafkaBackend", "group_word", "membership_of", "rdkafka_config"]
+__all__ = ["GroupWord", "RdKafkaBackend", "RepeatsSuppressed", "group_word", "membership_of", "rdkafka_config"]
 
 _log = logging.getLogger("agentlog.rdkafka")
 _TIMEOUT_S = 30.0
+REPEAT_WINDOW_S = 10.0
+"""librdkafka logs a line again at most once in this long (``RepeatsSuppressed``)."""
 _SCAN_BATCH = 2000
 
 # kafka-python setting -> librdkafka property (the settings this project passes).
@@ -72,6 +75,48 @@ _NAMES = {
     "request_timeout_ms": "socket.timeout.ms",
     "client_id": "client.id",
 }
+
+
+class RepeatsSuppressed(logging.Filter):
+    """Lets a librdkafka log line through at most once per ``window_s`` for each client,
+    facility and text (the text without its "(after N ms in state S)" tail), and says how many
+    like it were held back when it next lets one through.
+
+    While its broker is down every client logs each failed connection attempt at ERROR, about
+    ten a second (librdkafka's backoff starts again whenever it re-bootstraps with no broker
+    up): a minute's outage was 600 lines per client in each worker's log and on ``logctl``'s
+    stderr, burying the lines that say something new. Our own lines pass untouched."""
+
+    _TAIL = re.compile(r"\s*\(after \d+ms in state \w+(, \d+ identical error\(s\) suppressed)?\)$")
+
+    def __init__(self, window_s: float = REPEAT_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, str, str], tuple[float, int]] = {}  # key -> (let through at, held back since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.msg != "%s [%s] %s" or not isinstance(args, tuple) or len(args) != 3:
+            return True  # not a line of librdkafka's
+        facility, client, text = (str(a) for a in args)
+        key = (facility, client, self._TAIL.sub("", text))
+        now = self._clock()
+        with self._lock:
+            seen = self._seen.get(key)
+            if seen is not None and now - seen[0] < self.window_s:
+                self._seen[key] = (seen[0], seen[1] + 1)
+                return False
+            if len(self._seen) > 1000:  # forget what is past its window
+                self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.window_s}
+            self._seen[key] = (now, 0)
+        if seen is not None and seen[1]:
+            record.args = (facility, client, f"{text} (and {seen[1]} like it since the last one shown)")
+        return True
+
+
+_log.addFilter(RepeatsSuppressed())
 
 
 def rdkafka_config(client_config: dict[str, Any]) -> dict[str, Any]:
