@@ -377,9 +377,9 @@ class RdKafkaBackend(KafkaCluster, Backend):
     async def produce(self, topic: str, records: Sequence[OutRecord]) -> asyncio.Future[list[Position]]:
         if not self._started:
             raise RuntimeError("backend not started")
+        produce = self._producing().produce  # first: a new producer comes with its own self._fatal
         batch = _Batch(asyncio.get_running_loop(), topic, len(records), self._fatal)
         physical = self.physical(topic)
-        produce = self._producing().produce
         # One call at a time: a call that waits for room in the local queue must not let a
         # later call's records in between its own.
         async with self._in_order:
