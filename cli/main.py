@@ -34,9 +34,10 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 logging.basicConfig(level=logging.WARNING, format="logctl: %(levelname)s: %(message)s")
-# kafka-python narrates every failed connection attempt; an unreachable broker reaches the operator as
-# one line (cli/errors.py) instead.
+# kafka-python and librdkafka narrate every failed connection attempt; an unreachable broker reaches
+# the operator as one line (cli/errors.py) instead.
 logging.getLogger("kafka").setLevel(logging.CRITICAL)
+logging.getLogger("agentlog.rdkafka.client").setLevel(logging.CRITICAL)
 agents.register(app)
 branches.register(app)
 analyze.register(app)

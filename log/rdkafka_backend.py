@@ -85,7 +85,7 @@ class RepeatsSuppressed(logging.Filter):
     While its broker is down every client logs each failed connection attempt at ERROR, about
     ten a second (librdkafka's backoff starts again whenever it re-bootstraps with no broker
     up): a minute's outage was 600 lines per client in each worker's log and on ``logctl``'s
-    stderr, burying the lines that say something new. Our own lines pass untouched."""
+    stderr, burying the lines that say something new. Other lines pass untouched."""
 
     _TAIL = re.compile(r"\s*\(after \d+ms in state \w+(, \d+ identical error\(s\) suppressed)?\)$")
 
@@ -116,7 +116,11 @@ class RepeatsSuppressed(logging.Filter):
         return True
 
 
-_log.addFilter(RepeatsSuppressed())
+LIBRDKAFKA_LOGGER = "agentlog.rdkafka.client"
+"""The logger librdkafka's own lines go to (ours go to ``agentlog.rdkafka``): ``logctl`` quiets
+it, as it quiets kafka-python's, since an unreachable broker reaches the operator as one line."""
+_client_log = logging.getLogger(LIBRDKAFKA_LOGGER)
+_client_log.addFilter(RepeatsSuppressed())
 
 
 def rdkafka_config(client_config: dict[str, Any]) -> dict[str, Any]:
@@ -243,7 +247,7 @@ class RdKafkaBackend(KafkaCluster, Backend):
             linger_ms=linger_ms,
             bounded_delivery=bounded_delivery,
         )
-        self._common = {"bootstrap.servers": bootstrap, "logger": _log, **rdkafka_config(self.client_config)}
+        self._common = {"bootstrap.servers": bootstrap, "logger": _client_log, **rdkafka_config(self.client_config)}
         self._started = False
         self._producer: Any = None  # made at the first append (_producing)
         self._fatal: list[str] = []  # set once by the delivery thread, read by the batches it fails
