@@ -163,7 +163,10 @@ def test_decisions_survive_a_kill_and_restart_exactly_once(
         expected = asyncio.run(feed(range(2), finish=False))  # two turns each, read as they come
         assert worker.wait(120) == -9, log_path.read_text()
         before = asyncio.run(decisions())
-        assert 0 < len(before) < len(expected)  # it died with work left
+        # It died with work left. Not necessarily with some of it landed: the worker hands its
+        # appends to the producer without waiting, and on librdkafka the first two can still be
+        # in flight when the third handle() reaches the crash point (seen: 0 landed).
+        assert len(before) < len(expected)
 
         expected |= asyncio.run(feed(range(2, NUM_TURNS), finish=True))  # more while it is down
         worker = start_worker(url, namespace, tmp_path, None)
