@@ -27,6 +27,7 @@ from cli.traces import app as trace_app
 from log import TOPICS, open_log
 from log.redact import redact
 from log.topics import DEFAULT_PARTITIONS
+from log.urls import LIBRDKAFKA_LOGGER
 
 app = typer.Typer(
     cls=OneLineErrors,
@@ -37,7 +38,7 @@ logging.basicConfig(level=logging.WARNING, format="logctl: %(levelname)s: %(mess
 # kafka-python and librdkafka narrate every failed connection attempt; an unreachable broker reaches
 # the operator as one line (cli/errors.py) instead.
 logging.getLogger("kafka").setLevel(logging.CRITICAL)
-logging.getLogger("agentlog.rdkafka.client").setLevel(logging.CRITICAL)
+logging.getLogger(LIBRDKAFKA_LOGGER).setLevel(logging.CRITICAL)
 agents.register(app)
 branches.register(app)
 analyze.register(app)

@@ -57,6 +57,7 @@ from log.kafka_backend import (
     topic_configs,
 )
 from log.types import Position, RawRecord
+from log.urls import LIBRDKAFKA_LOGGER
 
 __all__ = ["GroupWord", "RdKafkaBackend", "RepeatsSuppressed", "group_word", "membership_of", "rdkafka_config"]
 
@@ -116,9 +117,6 @@ class RepeatsSuppressed(logging.Filter):
         return True
 
 
-LIBRDKAFKA_LOGGER = "agentlog.rdkafka.client"
-"""The logger librdkafka's own lines go to (ours go to ``agentlog.rdkafka``): ``logctl`` quiets
-it, as it quiets kafka-python's, since an unreachable broker reaches the operator as one line."""
 _client_log = logging.getLogger(LIBRDKAFKA_LOGGER)
 _client_log.addFilter(RepeatsSuppressed())
 

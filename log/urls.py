@@ -28,6 +28,10 @@ ENV_NAMESPACE = "AGENTLOG_NAMESPACE"
 ENV_KAFKA_CLIENT = "AGENTLOG_KAFKA_CLIENT"
 KAFKA_CLIENTS = ("python", "rdkafka")
 DEFAULT_KAFKA_CLIENT = "rdkafka"
+LIBRDKAFKA_LOGGER = "agentlog.rdkafka.client"
+"""The logger librdkafka's own lines go to (``log.rdkafka_backend``'s go to ``agentlog.rdkafka``):
+``logctl`` quiets it, as it quiets kafka-python's, since an unreachable broker reaches the
+operator as one line."""
 
 
 def kafka_backend(
