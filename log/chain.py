@@ -8,7 +8,7 @@ chain, so the next genuine record still links to the last accepted one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from log.codec import ZERO_HASH
 from log.errors import ActorNotAllowed, BodyNotAllowed, BrokenChain, KeyMismatch, SeqGap, SeqRepeat
@@ -17,9 +17,8 @@ from log.types import Position
 from schemas.envelope import Envelope
 
 
-@dataclass(slots=True)
-class ChainTail:
-    """The last accepted record of one (topic, session)."""
+class ChainTail(NamedTuple):
+    """The last accepted record of one (topic, session); a tuple, as one is made per record."""
 
     seq: int
     hash: bytes
@@ -60,7 +59,7 @@ class ChainVerifier:
             raise ActorNotAllowed(
                 f"{position}: actor {envelope.actor!r} may not write {topic.name} (only {topic.owner!r} may)"
             )
-        if not isinstance(envelope.body, topic.bodies):
+        if type(envelope.body) not in topic.body_types and not isinstance(envelope.body, topic.bodies):
             raise BodyNotAllowed(f"{position}: a {type(envelope.body).__name__} does not belong on {topic.name}")
         if key is not None and key != session_id.encode():
             raise KeyMismatch(f"{position}: key {key!r} is not the session id {session_id!r}")

@@ -7,7 +7,7 @@ same sessions, so one consumer owning partition p sees a session's whole story.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from log.errors import UnknownTopic
 from schemas import events as ev
@@ -26,6 +26,13 @@ class Topic:
     owner: str
     bodies: tuple[type[Model], ...]
     infinite_retention: bool = True
+    body_types: frozenset[type[Model]] = field(init=False, repr=False, compare=False)
+    """``bodies`` as a set: a consumer checks every record's body, and ``isinstance`` against
+    a tuple of pydantic models costs about 1 us (a call per class); the exact type is the
+    common case, and a subclass still passes through ``isinstance``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "body_types", frozenset(self.bodies))
 
     def allows_actor(self, actor: str) -> bool:
         if actor in READ_ONLY_ACTORS:

@@ -93,6 +93,16 @@ def test_actor_body_and_key_rules() -> None:
         ChainVerifier().verify(topics.AGENT_ACTIONS, b"other", envelope(0, ZERO_HASH), AT)
 
 
+def test_a_subclass_of_an_allowed_body_is_allowed() -> None:
+    """The exact-type lookup is a shortcut: a subclass of a body the topic holds still passes."""
+
+    class Started(SessionStarted):
+        pass
+
+    subclassed = envelope(0, ZERO_HASH).model_copy(update={"body": Started(program="p", args_json="{}")})
+    ChainVerifier().verify(topics.AGENT_ACTIONS, b"s", subclassed, AT)
+
+
 def test_dlq_accepts_any_actor() -> None:
     from schemas.events import RecordDeadLettered
 

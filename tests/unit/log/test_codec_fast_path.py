@@ -205,6 +205,54 @@ def test_flat_bodies_are_read_without_fastavro(monkeypatch: pytest.MonkeyPatch) 
         assert type(CODEC.decode(record).body) is model
 
 
+def test_a_usual_record_is_read_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """log.head_reader.read_record reads a record whose body is built as read; if it stopped
+    applying, decoding would still be right but slower, and no other test would notice."""
+    as_read = [model for model in events.EVENT_TYPES if CODEC._body_of[model].construct]
+    assert len(as_read) >= len(events.EVENT_TYPES) - 6
+    records = [CODEC.encode(**fields_of(sample(model, 0)))[0] for model in as_read]
+
+    def refuse(data: bytes) -> Envelope:
+        raise AssertionError("read step by step")
+
+    monkeypatch.setattr(CODEC, "_decode_current", refuse)
+    for model, record in zip(as_read, records, strict=True):
+        assert type(CODEC.decode(record).body) is model
+
+
+def test_an_altered_record_is_refused_by_the_step_by_step_reading() -> None:
+    record, _ = CODEC.encode(**fields_of(events.SessionStarted(program="pay 10", args_json="{}")))
+    altered = record.replace(b"pay 10", b"pay 99")
+    assert CODEC._read_record(altered, CODEC._header, CODEC._as_read) is None
+    with pytest.raises(HashMismatch, match="does not match its own hash"):
+        CODEC.decode(altered)
+
+
+def test_decoded_models_share_their_fields_set_and_copies_do_not() -> None:
+    """``_construct`` gives every decoded instance of a model one set of its field names; a
+    copy with changes gets its own, so no instance sees another's (the models are frozen)."""
+    first, second = (CODEC.decode(CODEC.encode(**fields_of(sample(events.SessionStarted, salt)))[0]) for salt in (0, 1))
+    assert first.model_fields_set == set(Envelope.model_fields)
+    assert first.body.model_fields_set == set(events.SessionStarted.model_fields)
+    changed = first.model_copy(update={"seq": 7})
+    assert changed.seq == 7 and changed.model_fields_set == set(Envelope.model_fields)
+    assert changed.__pydantic_fields_set__ is not first.__pydantic_fields_set__
+    assert first.__pydantic_fields_set__ is second.__pydantic_fields_set__ == set(Envelope.model_fields)
+
+
+def test_a_model_that_is_not_frozen_is_not_built_as_read() -> None:
+    from log.codec import _plain
+
+    class Loose(BaseModel):
+        name: str
+
+    class Frozen(Loose, frozen=True):
+        pass
+
+    assert not _plain(Loose)
+    assert _plain(Frozen)
+
+
 def test_decoded_enums_and_nested_records_have_their_model_types() -> None:
     committed = events.ToolCallCommitted(
         call_id="t", votes=[events.Vote(voter="v", decision=events.VoteDecision.HOLD, reason="r")], policy="p"

@@ -73,7 +73,7 @@ def test_a_polls_events_fit_in_the_young_generation() -> None:
     default = collections_while_decoding(codec, records)
     tune_gc()
     tuned = collections_while_decoding(codec, records)
-    # With the default, a poll's events are walked (and promoted) while it is decoded; tuned,
-    # none is: each record's objects must stay well under 50,000 / 2,000 = 25 tracked ones.
-    assert default[0] > 0 and default[1] > 0
+    # With the default, a poll's events are walked while it is decoded; tuned, none is: each
+    # record's objects must stay well under 50,000 / 2,000 = 25 tracked ones.
+    assert default[0] > 0
     assert tuned == [0, 0, 0]

@@ -87,5 +87,15 @@ def test_compiled_and_interpreted_writers_refuse_alike(overrides: dict[str, obje
     assert errors[0] is errors[1]
 
 
+@pytest.mark.parametrize("body", SAMPLES[::3])
+def test_compiled_and_interpreted_record_readers_read_alike(body: object) -> None:
+    record, _ = COMPILED.encode(**fields_of(body))  # type: ignore[arg-type]
+    tampered = record[:-1] + bytes([record[-1] ^ 1])
+    for data in (record, tampered, record[:-5], b"\x00" + record[1:]):
+        results = [c._read_record(data, c._header, c._as_read) for c in (COMPILED, INTERPRETED)]
+        assert results[0] == results[1]
+    assert COMPILED._read_record(tampered, COMPILED._header, COMPILED._as_read) is None
+
+
 COMPILED = Codec(compiled=True)
 INTERPRETED = Codec(compiled=False)
