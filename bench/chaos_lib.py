@@ -57,6 +57,7 @@ from cli.main import app
 from cli.sessions import SessionBook, read_log, read_sessions
 from cli.stack import Backoff, Stack, Supervisor, free_port
 from log import open_log
+from log.kafka_backend import BOUNDED_DELIVERY_TIMEOUT_MS
 from log.local_kafka import LocalKafkaBroker
 from schemas import events as ev
 from services.session import SessionState
@@ -111,7 +112,8 @@ class Operator:
 
     async def request(self, log: Any, i: int, session: str) -> None:
         body = ev.SessionRequested(program="script", args_json=json.dumps(script(i, self.hold_tag)), author=OPERATOR)
-        await log.append(session, body)
+        # One event id per session: a request retried after its first try landed is a no-op.
+        await log.append(session, body, event_id=request_event_id(session))
         self.appended.add((session, "SessionRequested", ""))
 
     async def request_all(self) -> None:
@@ -766,13 +768,31 @@ async def request_over_window(
         await asyncio.sleep(0.5)
 
 
+def request_event_id(session: str) -> str:
+    """The event id of a session's request (``Operator.request``)."""
+    return f"{session}/requested"
+
+
+RETRY_AFTER_S = 2 * BOUNDED_DELIVERY_TIMEOUT_MS / 1000
+"""How long ``_Requester`` waits before trying a failed request again: past the bound on the
+delivery of what its abandoned log still had in flight."""
+
+
 class _Requester:
     """Appends the session requests through one log while it works, and through a fresh one
     after a failure: a request while the broker is down or paused fails (or is never
     acknowledged: an acknowledgement lost with the old broker must not hold the requests),
     and is tried again until the broker is back. One log for all, not one per request:
     opening a log (a producer, metadata) takes seconds on a loaded machine, longer than the
-    gap between two requests of a large run."""
+    gap between two requests of a large run.
+
+    A retry must not write the request twice. The first try may still land after it failed
+    here (its producer is abandoned with the record in flight), so the log has bounded
+    delivery, as the workers' logs do: a record lands or fails within
+    ``BOUNDED_DELIVERY_TIMEOUT_MS``, and the retry waits longer than that. It then finds a
+    request that landed (the fresh log reads the session's chain) under the same event id
+    (``request_event_id``), and appends nothing. Before (a random event id, a one-second
+    wait), a 300-session run on kafka-python wrote two requests at seq 0 of one session."""
 
     def __init__(self, operator: Operator) -> None:
         self.operator = operator
@@ -789,14 +809,16 @@ class _Requester:
                 await self.close()
                 if attempt == attempts - 1:
                     raise
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(RETRY_AFTER_S)
 
     async def _once(self, i: int, session: str) -> None:
         if self._log is None:
             exit_stack = contextlib.AsyncExitStack()
             self._exit = exit_stack
             self._log = await exit_stack.enter_async_context(
-                open_log(self.operator.log_url, actor="operator", namespace=self.operator.namespace)
+                open_log(
+                    self.operator.log_url, actor="operator", namespace=self.operator.namespace, bounded_delivery=True
+                )
             )
         await self.operator.request(self._log, i, session)
 

@@ -34,3 +34,26 @@ def test_every_session_is_requested_at_its_offset_while_the_schedule_still_runs(
     assert all(during for _, _, during in requested), requested  # before the fix: only "a"
     assert [at >= i * 0.1 - 0.01 for i, (_, at, _) in enumerate(requested)] == [True] * 4
     assert took >= 1.0  # and it returns once the schedule is over (the canary comes after)
+
+
+def test_a_request_tried_again_through_a_fresh_log_is_written_once() -> None:
+    """The requester's retry opens a fresh log; a first try that landed must make it a no-op
+    (with a random event id, a 300-session run wrote two requests at seq 0 of one session)."""
+    from bench.chaos_lib import Operator, request_event_id
+    from log import SharedLog
+    from log.memory_backend import MemoryBackend, MemoryStore
+
+    async def main() -> list[str]:
+        store = MemoryStore()
+        setup = MemoryBackend(store)
+        await setup.start()
+        await setup.create_topics(4)
+        operator = Operator("memory://", "ns", "postgresql://unused", stack=None, sessions=[])  # type: ignore[arg-type]
+        for _ in range(2):  # the first try, then the retry through a log of its own
+            async with SharedLog(MemoryBackend(store), actor="operator") as log:
+                await operator.request(log, 0, "s-1")
+        async with SharedLog(MemoryBackend(store), actor="auditor") as log:
+            partition = log.partition_for("s-1")
+            return [log.codec.decode(r.value).event_id async for r in log.backend.scan("ops.commands", partition)]
+
+    assert asyncio.run(main()) == [request_event_id("s-1")]
