@@ -180,6 +180,18 @@ def _retrying(call: Any, *args: Any) -> Any:
             time.sleep(0.1)
 
 
+class _Producing:
+    """The producer and the fatal error that took it, if one did: made together, so a batch
+    names the error of the producer its records went to, never another's."""
+
+    __slots__ = ("fatal", "producer")
+
+    def __init__(self, producer: Any) -> None:
+        self.producer = producer
+        self.fatal: str | None = None
+        """Set once by the delivery thread; the cause of every failure after it."""
+
+
 class _Batch:
     """One ``produce`` call's records: their delivery reports, counted down into one future.
 
@@ -187,11 +199,11 @@ class _Batch:
     last one wakes the event loop once for the whole batch.
     """
 
-    __slots__ = ("error", "fatal", "future", "lock", "loop", "offsets", "partitions", "remaining", "topic")
+    __slots__ = ("error", "future", "lock", "loop", "offsets", "partitions", "producing", "remaining", "topic")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, topic: str, n: int, fatal: list[str]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, topic: str, n: int, producing: _Producing) -> None:
         self.loop = loop
-        self.fatal = fatal  # the producer's fatal error once there is one: the cause of every failure after it
+        self.producing = producing
         self.topic = topic
         self.future: asyncio.Future[list[Position]] = loop.create_future()
         self.partitions = [0] * n
@@ -217,7 +229,7 @@ class _Batch:
         if self.future.done():
             return
         if self.error is not None:
-            why = self.fatal[0] if self.fatal else self.error
+            why = self.producing.fatal or self.error
             self.future.set_exception(BackendUnavailable(f"producing to {self.topic} failed: {why}"))
             return
         topic = self.topic
@@ -247,8 +259,7 @@ class RdKafkaBackend(KafkaCluster, Backend):
         )
         self._common = {"bootstrap.servers": bootstrap, "logger": _client_log, **rdkafka_config(self.client_config)}
         self._started = False
-        self._producer: Any = None  # made at the first append (_producing)
-        self._fatal: list[str] = []  # set once by the delivery thread, read by the batches it fails
+        self._producing_now: _Producing | None = None  # made at the first append (_producing)
         self._delivering = False
         self._delivery: threading.Thread | None = None
         self._in_order = asyncio.Lock()
@@ -274,59 +285,64 @@ class RdKafkaBackend(KafkaCluster, Backend):
         self._started = True
         _log.info("connected to %s with librdkafka %s", self.bootstrap, libversion()[0])
 
-    def _producing(self) -> Any:
+    def _producing(self) -> _Producing:
         """The producer, made at the first append. An idempotent producer asks the cluster for a
         producer id as soon as it exists, and a role that may not write (the auditor) is refused
         that with an error fatal to the client: made at ``start`` it would fail every read-only
         ``logctl`` command's log with a critical line."""
-        if self._producer is None:
-            self._fatal = []
-            self._producer = Producer(
-                {
-                    "linger.ms": self.linger_ms,
-                    "queue.buffering.max.messages": 1_000_000,
-                    **self._delivery_config(),
-                    **self._common,  # the caller's settings may change the two above, not the two below
-                    "acks": "all",
-                    "enable.idempotence": True,
-                }
+        if self._producing_now is None:
+            producing = _Producing(
+                Producer(
+                    {
+                        "linger.ms": self.linger_ms,
+                        "queue.buffering.max.messages": 1_000_000,
+                        **self._delivery_config(),
+                        **self._common,  # the caller's settings may change the two above, not the two below
+                        "acks": "all",
+                        "enable.idempotence": True,
+                    }
+                )
             )
+            self._producing_now = producing
             self._delivering = True
-            self._delivery = threading.Thread(target=self._deliver, name="agentlog-rdkafka-delivery", daemon=True)
+            self._delivery = threading.Thread(
+                target=self._deliver, args=(producing,), name="agentlog-rdkafka-delivery", daemon=True
+            )
             self._delivery.start()
-        return self._producer
+        return self._producing_now
 
     def settle_sends(self) -> None:
         """Block until every record handed to the producer landed or failed (bounded delivery
         only: it is what lets a member give its partitions up safely; see RdKafkaSubscription)."""
-        producer = self._producer
-        if not self.bounded_delivery or producer is None:
+        producing = self._producing_now
+        if not self.bounded_delivery or producing is None:
             return
-        if remaining := producer.flush(2 * BOUNDED_DELIVERY_TIMEOUT_MS / 1000):
+        if remaining := producing.producer.flush(2 * BOUNDED_DELIVERY_TIMEOUT_MS / 1000):
             _log.warning("%d records in flight when partitions were revoked", remaining)
 
-    def _deliver(self) -> None:
+    def _deliver(self, producing: _Producing) -> None:
         """Serve delivery reports (they run inside ``poll``) until ``close``."""
         while self._delivering:
             try:
-                self._producer.poll(0.05)
+                producing.producer.poll(0.05)
             except KafkaException as e:
                 # A fatal error (the cluster refused this client a producer id: a role that may
                 # not write) is raised here once. librdkafka fails every record it held with
                 # it, and the next polls serve those reports: the appends fail, none hangs.
-                self._fatal.append(_error(e))
-                _log.error("the producer failed: %s", self._fatal[0])
+                if producing.fatal is None:
+                    producing.fatal = _error(e)
+                _log.error("the producer failed: %s", producing.fatal)
 
     async def close(self) -> None:
         self._started = False
-        if self._producer is not None:
-            remaining = await asyncio.to_thread(self._producer.flush, _TIMEOUT_S)
+        if (producing := self._producing_now) is not None:
+            remaining = await asyncio.to_thread(producing.producer.flush, _TIMEOUT_S)
             self._delivering = False
             if self._delivery is not None:
                 await asyncio.to_thread(self._delivery.join)
             if remaining:
                 _log.warning("closed with %d records not acknowledged", remaining)
-            self._producer = None
+            self._producing_now = None
         for consumer in self._scanners:
             await asyncio.to_thread(consumer.close)
         self._scanners.clear()
@@ -379,8 +395,9 @@ class RdKafkaBackend(KafkaCluster, Backend):
     async def produce(self, topic: str, records: Sequence[OutRecord]) -> asyncio.Future[list[Position]]:
         if not self._started:
             raise RuntimeError("backend not started")
-        produce = self._producing().produce  # first: a new producer comes with its own self._fatal
-        batch = _Batch(asyncio.get_running_loop(), topic, len(records), self._fatal)
+        producing = self._producing()
+        produce = producing.producer.produce
+        batch = _Batch(asyncio.get_running_loop(), topic, len(records), producing)
         physical = self.physical(topic)
         # One call at a time: a call that waits for room in the local queue must not let a
         # later call's records in between its own.
