@@ -256,23 +256,63 @@ def body_reader(schema: dict[str, Any], hints: dict[str, Any]) -> BodyReader | N
     """
     if schema.get("type") != "record":
         return None
-    fields: list[tuple[str, _FieldReader]] = []
+    fields: list[tuple[str, int, int, _FieldReader]] = []
     for field in _enums_inlined(schema):
         reader = _field_reader(field["type"], hints.get(field["name"]))
         if reader is None:
             return None
-        fields.append((field["name"], reader))
+        fields.append((field["name"], *_kind(field["type"]), reader))
 
     def read(data: bytes, pos: int) -> tuple[dict[str, Any], int]:
         values: dict[str, Any] = {}
         try:
-            for name, reader in fields:
-                values[name], pos = reader(data, pos)
+            for name, kind, null_index, reader in fields:
+                if null_index >= 0:  # ["null", T] or [T, "null"] of a primitive T
+                    branch = data[pos]
+                    if branch == null_index << 1:
+                        values[name] = None
+                        pos += 1
+                        continue
+                    if branch != (1 - null_index) << 1:
+                        raise Unusual
+                    pos += 1
+                # A primitive by a direct call: compiled, a call in C whose pair is not boxed.
+                if kind == _STRING:
+                    values[name], pos = _string(data, pos)
+                elif kind == _LONG:
+                    values[name], pos = _long(data, pos)
+                elif kind == _DOUBLE:
+                    values[name], pos = _double(data, pos)
+                elif kind == _BOOLEAN:
+                    values[name], pos = _boolean(data, pos)
+                elif kind == _BYTES:
+                    values[name], pos = _bytes(data, pos)
+                else:
+                    values[name], pos = reader(data, pos)
         except (IndexError, UnicodeDecodeError):
             raise Unusual from None
         return values, pos
 
     return read
+
+
+# The kinds of field a body's reader reads itself (``_kind``); every other field through its reader.
+_OTHER, _STRING, _LONG, _DOUBLE, _BOOLEAN, _BYTES = range(6)
+_KINDS = {"string": _STRING, "bytes": _BYTES, "long": _LONG, "int": _LONG, "double": _DOUBLE, "boolean": _BOOLEAN}
+
+
+def _kind(schema: Any) -> tuple[int, int]:
+    """A field's kind, and the union index of null if it is ``["null", T]`` or ``[T, "null"]``
+    of a primitive T (else -1). Most fields are one of those: each of them read by its own
+    reader was a call through a Python object, and a pair built and unpacked."""
+    if isinstance(schema, str):
+        return _KINDS.get(schema, _OTHER), -1
+    if isinstance(schema, list) and len(schema) == 2 and schema.count("null") == 1:
+        null_index = schema.index("null")
+        other = schema[1 - null_index]
+        if isinstance(other, str) and other in _KINDS:
+            return _KINDS[other], null_index
+    return _OTHER, -1
 
 
 # What each primitive Avro type reads as; a field typed with exactly that needs no validation.

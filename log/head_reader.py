@@ -107,7 +107,7 @@ def read_head(data: bytes) -> Head | None:
             return None
         actor = data[p + 1 : q].decode()
         micros, p = read_long(data, q)
-        occurred_at = EPOCH + timedelta(microseconds=micros)
+        occurred_at = EPOCH + timedelta(0, 0, micros)  # positional: a keyword costs a third more
         n = data[p]  # causation_id: branch 0 (null) or 1 (string)
         if n == 0:
             causation_id = None

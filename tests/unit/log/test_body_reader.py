@@ -276,3 +276,26 @@ def test_an_enum_named_again_after_its_definition_is_read_as_defined(readers: ty
     assert read is not None and constructible(record, hints, set())
     assert read(b"\x02\x02\x00", 0) == ({"a": E.B, "b": E.A}, 3)
     assert body_reader({**record, "fields": record["fields"][1:]}, hints) is None  # never defined
+
+
+def test_primitive_fields_and_their_optionals_are_read_directly() -> None:
+    """The reader reads these kinds itself (``_kind``); a field typed otherwise goes through its
+    own reader. Were a primitive no longer classified, reading would still be right, only
+    slower, and no other test would notice."""
+    from log.body_reader import _BOOLEAN, _BYTES, _DOUBLE, _LONG, _OTHER, _STRING, _kind
+
+    kinds = {field["name"]: _kind(field["type"]) for field in SCHEMA["fields"]}
+    assert kinds == {
+        "s": (_STRING, -1),
+        "b": (_BYTES, -1),
+        "n": (_LONG, -1),
+        "i": (_LONG, -1),
+        "d": (_DOUBLE, -1),
+        "flag": (_BOOLEAN, -1),
+        "e": (_OTHER, -1),
+        "o": (_STRING, 0),
+        "o2": (_LONG, 1),
+        "xs": (_OTHER, -1),
+        "ns": (_OTHER, -1),
+        "m": (_OTHER, -1),
+    }
