@@ -49,7 +49,7 @@ from log.backend import Backend, Membership, Subscription
 from log.chain import ChainVerifier
 from log.codec import Codec
 from log.errors import RecordError
-from log.types import ConsumerStats, LoggedEvent, Position, RawRecord
+from log.types import ConsumerStats, LoggedEvent, Position, RawRecord, new_tuple
 from schemas.envelope import Envelope
 from schemas.events import KVAllBlocksCleared
 
@@ -321,7 +321,7 @@ class EventConsumer:
                 name = type(error).__name__
                 self.stats.dead_lettered_by_error[name] = self.stats.dead_lettered_by_error.get(name, 0) + 1
                 continue
-            delivered.append(LoggedEvent(position, envelope))
+            delivered.append(new_tuple(LoggedEvent, (position, envelope)))
         self._place()
         self.stats.num_delivered += len(delivered)
         return delivered

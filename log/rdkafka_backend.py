@@ -56,7 +56,7 @@ from log.kafka_backend import (
     one_partition_count,
     topic_configs,
 )
-from log.types import Position, RawRecord
+from log.types import Position, RawRecord, new_tuple
 from log.urls import LIBRDKAFKA_LOGGER
 
 __all__ = ["GroupWord", "RdKafkaBackend", "RepeatsSuppressed", "group_word", "membership_of", "rdkafka_config"]
@@ -674,7 +674,8 @@ class RdKafkaSubscription(KafkaGroupMember):
                 continue
             physical = m.topic()
             topic = names.get(physical) or names.setdefault(physical, logical(physical))
-            records.append(RawRecord(Position(topic, m.partition(), m.offset()), m.key(), m.value()))
+            position = new_tuple(Position, (topic, m.partition(), m.offset()))
+            records.append(new_tuple(RawRecord, (position, m.key(), m.value())))
         # In offset order per partition, as librdkafka hands them out; partitions come in runs
         # of a fetched batch each, which is all the contract asks (a sort cost 0.3 us a record).
         return records

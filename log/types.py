@@ -3,7 +3,9 @@
 ``Position``, ``RawRecord`` and ``LoggedEvent`` are named tuples, not frozen dataclasses:
 a consumer builds all three for every record it reads, and a named tuple is built in
 about half the time (a frozen dataclass sets each field through ``object.__setattr__``)
-and hashed in C. Both are immutable and compare field by field.
+and hashed in C. Both are immutable and compare field by field. The loops that build one per
+record call ``new_tuple(Position, (topic, partition, offset))``: what a named tuple's own
+``__new__`` does, without the Python frame it runs in (half the time again).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from schemas.envelope import Envelope
 from schemas.events import Event
 
 Offset = NewType("Offset", int)
+
+new_tuple = tuple.__new__
+"""``new_tuple(cls, values)``: a named tuple of class ``cls`` from a tuple of all its fields."""
 
 Clock = Callable[[], datetime]
 """Injected time source: returns an aware UTC datetime."""

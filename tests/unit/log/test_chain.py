@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import pytest
 
 from log import topics
-from log.chain import ChainVerifier
+from log.chain import ChainTail, ChainVerifier
 from log.codec import ZERO_HASH, Codec
 from log.errors import ActorNotAllowed, BodyNotAllowed, BrokenChain, KeyMismatch, SeqGap, SeqRepeat
 from log.types import Position
@@ -131,3 +131,12 @@ def test_chains_are_per_topic_and_session() -> None:
     failed = envelope(0, ZERO_HASH, actor="planner", session="a", body=SessionFailed(reason="r", error_type="E"))
     with pytest.raises(SeqRepeat):
         verifier.verify(topics.AGENT_ACTIONS, b"a", failed, AT)
+
+
+def test_the_tail_of_a_chain_is_its_last_accepted_record() -> None:
+    verifier = ChainVerifier()
+    assert verifier.tail("agent.actions", "s") is None
+    records = chain(2)
+    for record in records:
+        verifier.verify(topics.AGENT_ACTIONS, b"s", record, AT)
+    assert verifier.tail("agent.actions", "s") == ChainTail(1, records[1].hash)
