@@ -271,14 +271,15 @@ class EventConsumer:
         topic = topic_table.AGENT_DLQ  # the Topic of the current run (set with the first record)
         started: _Started | None = None
         owned = False
+        placing = self._placing  # empty but just after a rebalance: then no lookup per record
         for record in records:
             position = record.position
-            if position.partition != tp[1] or position.topic != tp[0]:
-                tp = (position.topic, position.partition)
-                topic = topic_table.topic(position.topic)
+            name, partition, offset = position
+            if partition != tp[1] or name != tp[0]:
+                tp = (name, partition)
+                topic = topic_table.topic(name)
                 started = self._started.get(tp)
                 owned = tp in assigned
-            offset = position.offset
             if not owned:
                 reads.dropped += 1  # fetched before the partition moved away: its owner reads it
                 continue
@@ -286,11 +287,11 @@ class EventConsumer:
             if expected is None:
                 self._at_backend.discard(tp)
                 expected = self._next[tp] = 0  # its chains are rebuilt up to its first record's offset
-            if tp in self._placing:
+            if placing and tp in placing:
                 if offset != expected:
                     reads.dropped += 1  # fetched from where the backend was: it is sought to ours below
                     continue
-                self._placing.discard(tp)  # it reads from our position
+                placing.discard(tp)  # it reads from our position
             elif offset != expected:
                 if started is None:
                     await self._rebuild_chains(tp, offset)
