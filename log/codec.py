@@ -241,6 +241,35 @@ _FIELDS_SET: dict[type[Model], set[str]] = {}
 """Each constructed model's field names (``_construct``)."""
 
 
+def _typed_envelope(
+    event_id: str,
+    session_id: str,
+    seq: int,
+    actor: str,
+    occurred_at: datetime,
+    causation_id: str | None,
+    prev_hash: bytes,
+    body: Model,
+    stored_hash: bytes,
+) -> Envelope:
+    """The envelope of fields the decoder has just read and typed itself: built without a
+    second validation (``_construct``)."""
+    return _construct(
+        Envelope,
+        {
+            "event_id": event_id,
+            "session_id": session_id,
+            "seq": seq,
+            "actor": actor,
+            "occurred_at": occurred_at,
+            "causation_id": causation_id,
+            "prev_hash": prev_hash,
+            "body": body,
+            "hash": stored_hash,
+        },
+    )
+
+
 def _plain(model: type[Model]) -> bool:
     """Whether ``_construct`` builds ``model`` as ``model_construct`` would (nothing it skips applies),
     and may share its fields set (the model is frozen)."""
@@ -426,19 +455,9 @@ class Codec:
             # Nearly every record: one call reads and checks it all (log.head_reader.read_record);
             # what that leaves, from a forged length to an old release, is read step by step below.
             event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, branch, values, stored_hash = record
-            return _construct(
-                Envelope,
-                {
-                    "event_id": event_id,
-                    "session_id": session_id,
-                    "seq": seq,
-                    "actor": actor,
-                    "occurred_at": occurred_at,
-                    "causation_id": causation_id,
-                    "prev_hash": prev_hash,
-                    "body": _construct(self._models[branch], values),
-                    "hash": stored_hash,
-                },
+            body = _construct(self._models[branch], values)
+            return _typed_envelope(
+                event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, body, stored_hash
             )
         if len(data) < HEADER_LEN:
             if data[: len(MAGIC)] != MAGIC[: len(data)]:
@@ -537,19 +556,8 @@ class Codec:
                 body = body_type.model.model_validate(values)
             except ValidationError as e:
                 raise SchemaMismatch(f"{body_type.name} body does not match its model: {e}") from e
-        return _construct(
-            Envelope,
-            {
-                "event_id": event_id,
-                "session_id": session_id,
-                "seq": seq,
-                "actor": actor,
-                "occurred_at": occurred_at,
-                "causation_id": causation_id,
-                "prev_hash": prev_hash,
-                "body": body,
-                "hash": stored_hash,
-            },
+        return _typed_envelope(
+            event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, body, stored_hash
         )
 
     @staticmethod
