@@ -271,7 +271,7 @@ class EventConsumer:
         topic = topic_table.AGENT_DLQ  # the Topic of the current run (set with the first record)
         started: _Started | None = None
         owned = False
-        placing = self._placing  # empty but just after a rebalance: then no lookup per record
+        placing = self._placing  # usually empty (it holds partitions just assigned): no lookup then
         for record in records:
             position = record.position
             name, partition, offset = position

@@ -1,9 +1,12 @@
-"""The envelope's head read in one pass: the part of ``log.codec``'s decode that every record pays.
+"""The envelope's head read in one pass, and a usual record read whole: the part of
+``log.codec``'s decode that every record pays.
 
 ``read_record`` reads a whole record in one call where nothing about it is unusual: the
 header, the head, the body (with the reader ``log.codec`` hands it) and the hash, checked.
 Anything else returns None, and ``log.codec`` reads the record step by step, which fails
-with the error that fits. ``read_head`` reads the seven fields before the body (event_id, session_id, seq, actor,
+with the error that fits.
+
+``read_head`` reads the seven fields before the body (event_id, session_id, seq, actor,
 occurred_at, causation_id, prev_hash) and the body's union branch of a record written with
 the current schema, or returns None for anything unusual, which ``log.codec`` then reads
 field by field as fastavro does. ``read_long`` is Avro's varint as fastavro reads it.
