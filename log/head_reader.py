@@ -74,8 +74,9 @@ def read_head(data: bytes) -> Head | None:
     than 64 bytes (a one-byte length), the causation branch 0 or 1, the body branch
     under 64. Anything else (a long string, a forged length past the end, bad UTF-8, a
     truncated record) returns None and the record takes ``log.codec``'s field-by-field reading, which fails
-    the way fastavro does: this function never raises for such input and never accepts
-    what ``log.codec``'s field-by-field reading would read differently. About half the cost of the field by
+    the way fastavro does: this function never accepts what ``log.codec``'s field-by-field
+    reading would read differently, and raises only ``EOFError``, for a record that ends
+    inside its timestamp (both callers catch it). About half the cost of the field by
     field reading (a function call and a tuple per field).
     """
     end = len(data)
