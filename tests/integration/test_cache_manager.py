@@ -163,10 +163,16 @@ def test_decisions_survive_a_kill_and_restart_exactly_once(
         expected = asyncio.run(feed(range(2), finish=False))  # two turns each, read as they come
         assert worker.wait(120) == -9, log_path.read_text()
         before = asyncio.run(decisions())
-        # It died with work left. Not necessarily with some of it landed: the worker hands its
-        # appends to the producer without waiting, and on librdkafka the first two can still be
-        # in flight when the third handle() reaches the crash point (seen: 0 landed).
-        assert len(before) < len(expected)
+        if crash_at.startswith("cache-manager.before_append"):
+            # It died holding decisions it had not queued, so some are missing. Not necessarily
+            # with any landed: the worker hands its appends to the producer without waiting, and
+            # on librdkafka the first two can still be in flight at the crash (seen: 0 landed).
+            assert len(before) < len(expected)
+        else:
+            # Three appends acknowledged, one at a time. Each takes every decision queued while
+            # the one before was in flight, so on a busy machine the third can hold all the rest
+            # (seen: 12 of 12): the work the restart must not repeat is then all of it.
+            assert 3 <= len(before) <= len(expected)
 
         expected |= asyncio.run(feed(range(2, NUM_TURNS), finish=True))  # more while it is down
         worker = start_worker(url, namespace, tmp_path, None)
