@@ -33,6 +33,8 @@ __all__ = ["ToolLatencyModel"]
 
 
 _CHUNK = 256  # a chunk splits in two when it grows past twice this
+_BLOCK = 32  # gaps per block of ``_Bounds.blocks``
+_LIFT = 1.125  # a bound lifted by new samples past this many times the build's: build anew
 
 
 class _Samples:
@@ -111,15 +113,25 @@ class _Bounds:
     bound made a pressure eviction's search at 10,000 sessions read a third of the nodes the
     two points alone did (docs/benchmarks.md, cache manager scale).
 
-    **Samples observed since the build** do not force a rebuild (``O(n)``) at once. Each adds
-    a term ``(d - x)`` of weight 1 to ``MRL(x)`` for ``x < d``, and a weighted mean is at most
-    its largest part, so ``MRL(x)`` is at most ``max(MRL at the build, d_max - x)``: the bounds
-    of the build still hold wherever ``d_max - lo`` does not exceed them. ``bound`` says when
-    it does (``None``: build anew); the bounds are built anew once an eighth of the samples
-    are new (``stale``).
+    The largest ceiling over a range of gaps is read from the maxima of blocks of ``_BLOCK``
+    gaps for the whole blocks inside it: a group of host residents spans hundreds of gaps.
+
+    **Samples observed since the build** (``new``, sorted) do not force a rebuild (``O(n)``).
+    Write ``MRL'(x) = (N(x) + S(x)) / (D(x) + c(x))`` with ``S(x)``, ``c(x)`` the excess over
+    ``x`` and the count of the new samples above ``x``, and ``B`` the build's bound over
+    ``[lo, hi]``. Past the longest new sample ``MRL'`` is ``MRL <= B``; below it, on
+    ``[lo, top]`` (``top = min(hi, d_max)``): ``N(x) <= D(x) * B``, ``S(x) <= S(lo)`` and
+    ``c(x) >= c(top)``, so ``MRL'(x) <= (w * B + S(lo)) / (w + c(top))`` with ``w = D(x)``
+    somewhere in ``[D(top), D(lo)]``. That is monotone in ``w``, so the larger of its two ends
+    bounds ``MRL'`` there: a weighted mean of ``B`` and the new samples' excess, barely above
+    ``B`` for a handful of new samples among hundreds. So is ``max(B, d_max - lo)`` (a
+    weighted mean is at most its largest part); the smaller of the two is taken. Where it lies
+    more than ``_LIFT`` times above ``B`` (the tail, where ``D(hi)`` is nearly 0 and the new
+    samples dominate), ``bound`` says build anew (``None``): the exact build is tighter. The
+    bounds are also built anew once an eighth of the samples are new (``stale``).
     """
 
-    __slots__ = ("ceilings", "edges", "k", "m", "new", "new_max", "suffix")
+    __slots__ = ("blocks", "ceilings", "edges", "k", "m", "new", "new_sums", "suffix")
 
     def __init__(self, values: list[float], m: float, k: float) -> None:
         n = len(values)
@@ -141,29 +153,55 @@ class _Bounds:
             for left, i, g, s_left, s_right in zip(edges, above, at_least, survival, survival[1:], strict=False)
         ]
         self.ceilings.append(m)
-        self.new = 0
-        self.new_max = -math.inf
+        ceilings = self.ceilings
+        self.blocks = [max(ceilings[i : i + _BLOCK]) for i in range(0, len(ceilings), _BLOCK)]
+        self.new: list[float] = []  # samples observed since the build, sorted
+        self.new_sums: list[float] = [0.0]  # new_sums[i] = sum(new[i:])
 
     def observed(self, duration_s: float) -> None:
-        self.new += 1
-        self.new_max = max(self.new_max, duration_s)
+        bisect.insort(self.new, duration_s)
+        self.new_sums = list(itertools.accumulate(reversed(self.new), initial=0.0))[::-1]
 
     def stale(self) -> bool:
-        return self.new > 0 and self.new * 8 >= len(self.edges)
+        return len(self.new) * 8 >= len(self.edges)
+
+    def _max_ceiling(self, first: int, last: int) -> float:
+        """The largest of ``ceilings[first .. last]``."""
+        ceilings = self.ceilings
+        a, b = first // _BLOCK + 1, last // _BLOCK  # the whole blocks inside: a .. b - 1
+        if b - a < 2:
+            return max(ceilings[first : last + 1])
+        return max(max(ceilings[first : a * _BLOCK]), max(self.blocks[a:b]), max(ceilings[b * _BLOCK : last + 1]))
 
     def bound(self, lo_s: float, hi_s: float) -> float | None:
-        """The smaller bound over ``[lo_s, hi_s]`` (``0 <= lo_s <= hi_s``), or None where a sample
-        observed since the build could lift ``MRL`` above it."""
+        """The smaller bound over ``[lo_s, hi_s]`` (``0 <= lo_s <= hi_s``), lifted by the samples
+        observed since the build; None where that cannot be bounded (build anew)."""
         edges, m, k = self.edges, self.m, self.k
         past_lo = bisect.bisect_right(edges, lo_s) - 1  # = the first sample > lo_s; gap of lo_s
         past_hi = bisect.bisect_right(edges, hi_s) - 1
         n = len(edges) - 1
-        numerator = max(0.0, self.suffix[past_lo] - (n - past_lo) * lo_s) + k * math.exp(-lo_s / m) * m
-        denominator = n - past_hi + k * math.exp(-hi_s / m)
-        bound = max(self.ceilings[past_lo : past_hi + 1])
+        prior_lo = k * math.exp(-lo_s / m)
+        numerator = max(0.0, self.suffix[past_lo] - (n - past_lo) * lo_s) + prior_lo * m
+        denominator = n - past_hi + k * math.exp(-hi_s / m)  # D(hi)
+        bound = self._max_ceiling(past_lo, past_hi)
         if denominator > 0.0:
             bound = min(bound, numerator / denominator)
-        return None if self.new_max - lo_s > bound else bound
+        new = self.new
+        if not new or new[-1] <= lo_s:
+            return bound  # nothing new above lo_s: MRL' <= MRL on the interval
+        # Past the longest new sample nothing changed: lift only over [lo_s, top].
+        top = min(hi_s, new[-1])
+        i = bisect.bisect_right(new, lo_s)
+        excess = self.new_sums[i] - (len(new) - i) * lo_s  # S(lo)
+        above = len(new) - bisect.bisect_right(new, top)  # c(top)
+        d_lo = n - past_lo + prior_lo
+        d_top = n - (bisect.bisect_right(edges, top) - 1) + k * math.exp(-top / m)
+        lifted = max(bound, new[-1] - lo_s)  # a mean is at most its largest part
+        if d_top + above > 0.0:
+            lifted = min(lifted, max(
+                bound, (d_top * bound + excess) / (d_top + above), (d_lo * bound + excess) / (d_lo + above)
+            ))  # fmt: skip
+        return lifted if lifted <= bound * _LIFT else None
 
 
 class ToolLatencyModel:
@@ -232,7 +270,7 @@ class ToolLatencyModel:
         b = max(a, hi_s)
         bounds = self._bounds.get(tool)
         bound = None if bounds is None or bounds.stale() else bounds.bound(a, b)
-        if bound is None:  # none yet, stale, or a sample observed since could lift MRL above it
+        if bound is None:  # none yet, stale, or samples observed since that cannot be bounded
             bounds = self._bounds[tool] = _Bounds(samples.values(), self._prior(tool), self.prior_weight)
             bound = bounds.bound(a, b)
             assert bound is not None  # nothing observed since the build
