@@ -545,8 +545,6 @@ class CachePolicy:
         chosen: list[HostResident] = []
         room = host_free
         for resident in (residents() if callable(residents) else residents).below(mine):
-            if room >= blocks:
-                break
             if resident.evicted:
                 continue
             h = resident.view.host_blocks
@@ -557,6 +555,8 @@ class CachePolicy:
                 return None
             chosen.append(resident)
             room += h
+            if room >= blocks:
+                break  # before asking for the next resident: finding it is a search
         if room < blocks:
             return None
         out: list[CacheDecision] = []

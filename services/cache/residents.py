@@ -84,6 +84,12 @@ class _Group:
     phase: Phase
     keys: list[tuple[float, SessionId]] = field(default_factory=list)  # sorted
     values: list[float] = field(default_factory=list)  # the host value of each key's member, aligned
+    least: float | None = None  # min(values) while known: every search bounds the whole group first
+
+    def least_value(self) -> float:
+        if self.least is None:
+            self.least = min(self.values)
+        return self.least
 
 
 @dataclass(slots=True)
@@ -140,6 +146,8 @@ class HostResidentIndex:
         i = bisect.bisect_left(group.keys, key)
         group.keys.insert(i, key)
         group.values.insert(i, value)
+        if group.least is not None and value < group.least:
+            group.least = value
         self._entries[sid] = _Entry(view, resident, group_key, key)
 
     def discard(self, session_id: SessionId) -> None:
@@ -158,7 +166,8 @@ class HostResidentIndex:
         keys = group.keys
         i = bisect.bisect_left(keys, entry.key)
         del keys[i]
-        del group.values[i]
+        if group.values.pop(i) == group.least:
+            group.least = None
         if not keys:
             del self._groups[entry.group]
 
@@ -249,6 +258,7 @@ class ResidentsInOrder:
                 group.phase, group.tool, group.kind is _Kind.RUNNING, self._now - keys[hi - 1][0],
                 self._now - keys[lo][0], delays,
             )  # fmt: skip
-            bound = policy.host_score_lower_bound(min(group.values[lo:hi]), distance)
+            least = group.least_value() if hi - lo == len(keys) else min(group.values[lo:hi])
+            bound = policy.host_score_lower_bound(least, distance)
         self._tiebreak += 1
         heapq.heappush(self._frontier, (bound, self._tiebreak, group, lo, hi))
