@@ -217,12 +217,14 @@ class ToolLatencyModel:
         self.prior_means_s = dict(prior_means_s or {})
         self._samples: dict[str, _Samples] = {}
         self._bounds: dict[str, _Bounds] = {}  # per tool: built when first needed
+        self._means: dict[str, float] = {}  # per tool, till its next sample: asked of every pending call
 
     def observe(self, tool: str, duration_s: float) -> None:
         """Record one finished call of ``tool`` that took ``duration_s`` seconds."""
         if not math.isfinite(duration_s) or duration_s < 0:
             raise ValueError(f"duration must be finite and >= 0, got {duration_s}")
         self._samples.setdefault(tool, _Samples()).add(duration_s)
+        self._means.pop(tool, None)
         bounds = self._bounds.get(tool)
         if bounds is not None:
             bounds.observed(duration_s)
@@ -245,7 +247,10 @@ class ToolLatencyModel:
 
     def mean(self, tool: str) -> float:
         """Expected duration of a new call (``MRL(0)``)."""
-        return self.mean_residual_life(tool, 0.0)
+        mean = self._means.get(tool)
+        if mean is None:
+            mean = self._means[tool] = self.mean_residual_life(tool, 0.0)
+        return mean
 
     def mean_residual_life(self, tool: str, elapsed_s: float) -> float:
         """Expected remaining seconds of a call of ``tool`` that has run ``elapsed_s`` seconds."""
