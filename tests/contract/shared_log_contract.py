@@ -370,7 +370,13 @@ class SharedLogContract:
     def test_a_partition_back_from_another_member_is_read_anew_whole(self, run: Any) -> None:
         """A member reading from the beginning that gets a partition back reads it again from
         offset 0, each record once, none set aside: the chains it held of that partition are
-        read anew, not continued (every record would repeat a seq)."""
+        read anew, not continued (every record would repeat a seq).
+
+        A partition it kept may be read anew too, whole: on librdkafka a rebalance revokes
+        every partition before it assigns the new set (eager), and a poll that returns in
+        between sees this member without it. Its position here is then forgotten and it goes
+        on from the backend's, 0 for this member, which committed nothing (seen in CI, and
+        every time with polls of 1 ms)."""
 
         async def scenario(open_log: Any) -> None:
             log = await open_log("planner")
@@ -390,17 +396,23 @@ class SharedLogContract:
                 moved = {p for _, p in b.assignment()}
                 assert moved and len(a.assignment()) < NUM_PARTITIONS
                 await b.close()
-                back = [f"s-{i}" for i in range(16) if log.partition_for(f"s-{i}") in moved]
-                expected = sorted((session, turn) for session in back for turn in (0, 1))
-                again: list[LoggedEvent] = []
+                whole: dict[int, list[tuple[str, int]]] = {}  # each partition's records
+                for i in range(16):
+                    whole.setdefault(log.partition_for(f"s-{i}"), []).extend((f"s-{i}", turn) for turn in (0, 1))
+                again: dict[int, list[tuple[str, int]]] = {}  # what was read again, by partition
                 for _ in range(100):
-                    again += await a.poll(timeout_s=0.1)
-                    # Every record of the partitions back, not two a partition: a partition
+                    for e in await a.poll(timeout_s=0.1):
+                        again.setdefault(e.position.partition, []).append((e.session_id, e.seq))
+                    # Every record of the partitions read again, not two a partition: a partition
                     # holds several sessions, and a poll may hand over part of them.
-                    if len(a.assignment_at_poll()) == NUM_PARTITIONS and len(again) >= len(expected):
+                    if len(a.assignment_at_poll()) == NUM_PARTITIONS and all(
+                        len(again.get(p, [])) >= len(whole[p]) for p in moved | again.keys()
+                    ):
                         break
-                again += await a.poll(timeout_s=0.5)  # nothing more
-                assert sorted((e.session_id, e.seq) for e in again) == expected
+                for e in await a.poll(timeout_s=0.5):  # nothing more
+                    again.setdefault(e.position.partition, []).append((e.session_id, e.seq))
+                assert moved <= again.keys()
+                assert {p: sorted(records) for p, records in again.items()} == {p: sorted(whole[p]) for p in again}
                 assert a.stats.num_dead_lettered == 0
             finally:
                 await a.close()
