@@ -18,8 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-## The codec's hot readers and writer compiled with mypyc (log/native.py); without a C compiler they run as they are.
-log/_native/.built: $(VENV)/.installed log/head_reader.py log/body_reader.py log/body_writer.py scripts/compile_native.py
+## The codec's hot readers and writer, and the cache manager's core (services/cache), compiled with mypyc
+## (log/native.py); without a C compiler they run as they are.
+log/_native/.built: $(VENV)/.installed log/head_reader.py log/body_reader.py log/body_writer.py log/native.py \
+		$(wildcard services/cache/*.py) scripts/compile_native.py
 	$(PY) scripts/compile_native.py
 	touch $@
 
@@ -83,4 +85,4 @@ bench-vllm: install tiny-model
 	AGENTLOG_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m bench.vllm_agents
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache log/_native/*.so log/_native/.built
+	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache log/_native/*.so log/_native/.built services/cache/_native

@@ -7,6 +7,12 @@ which ``make install`` runs, compiles those three modules with mypyc (it comes w
 a dev dependency; it needs a C compiler) into ``log/_native/``: the same source, about
 twice as fast (docs/benchmarks.md).
 
+A package's modules can be compiled as one group, where they call each other: the cache
+manager's pure core (``services.cache``, the fold and eviction search of every cache
+event). Its modules keep their names, so every import of them gets the build or none does
+(two copies of a class would not compare); the package puts ``package_builds``'s answer
+first on its ``__path__``.
+
 Where nothing was built (no compiler, a plain ``pip install``), or the build is of
 another version of the source (each build carries the SHA-256 of the file it was made
 from), the modules run as they are, with the same results: one implementation, compiled
@@ -17,12 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import logging
 import os
 import types
+from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["COMPILED", "module", "source_digest"]
+__all__ = ["COMPILED", "GROUP_DIGESTS", "group_digests", "module", "package_builds", "source_digest"]
 
 COMPILED = ("head_reader", "body_reader", "body_writer")
 """The modules of ``log`` that ``scripts/compile_native.py`` compiles."""
@@ -57,3 +65,31 @@ def module(name: str, *, compiled: bool | None = None) -> types.ModuleType:
             _log.warning("log/_native holds a build of another log/%s.py: reading without it (make install)", name)
         return plain
     return built
+
+
+GROUP_DIGESTS = "SOURCES.json"
+"""In a group's ``_native`` folder: the SHA-256 of each source it was built from."""
+
+
+def group_digests(package_dir: Path, names: Sequence[str]) -> dict[str, str]:
+    """SHA-256 of ``package_dir/<name>.py`` for each of ``names``, as they are now."""
+    return {name: hashlib.sha256((package_dir / f"{name}.py").read_bytes()).hexdigest() for name in names}
+
+
+def package_builds(package_dir: Path, names: Sequence[str]) -> list[str]:
+    """``[package_dir/_native]`` where it holds a build of ``names`` made together from their
+    current sources (``scripts/compile_native.py`` writes their digests there) and builds are on
+    (``AGENTLOG_NATIVE``), else ``[]``; a stale build is warned of once and not used."""
+    if os.environ.get("AGENTLOG_NATIVE", "1") == "0":
+        return []
+    folder = package_dir / "_native"
+    try:
+        built = json.loads((folder / GROUP_DIGESTS).read_text())
+    except (OSError, ValueError):
+        return []  # nothing built here
+    if built != group_digests(package_dir, names):
+        if str(folder) not in _warned:
+            _warned.add(str(folder))
+            _log.warning("%s holds a build of other sources: running without it (make install)", folder)
+        return []
+    return [str(folder)]

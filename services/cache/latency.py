@@ -88,7 +88,8 @@ class _Samples:
             return 0, 0.0
         chunk = self.chunks[i]
         j = bisect.bisect_right(chunk, x)
-        return len(chunk) - j + sum(self.lens[i + 1 :]), sum(chunk[j:]) + sum(self.sums[i + 1 :])
+        # 0.0 to start from: a compiled build (services.cache) takes an empty sum's int 0 for no float
+        return len(chunk) - j + sum(self.lens[i + 1 :]), sum(chunk[j:], 0.0) + sum(self.sums[i + 1 :], 0.0)
 
     def values(self) -> list[float]:
         return [v for chunk in self.chunks for v in chunk]

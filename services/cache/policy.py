@@ -123,7 +123,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -238,11 +238,18 @@ class RankedResidents(Protocol):
         ...
 
 
-class ListedResidents(list[HostResident]):
-    """``RankedResidents`` listed in full (``CachePolicy.host_residents``)."""
+@dataclass(slots=True)
+class ListedResidents:
+    """``RankedResidents`` listed in full (``CachePolicy.host_residents``). It holds its list
+    rather than being one: mypyc compiles no subclass of ``list`` (``services.cache``)."""
+
+    residents: list[HostResident]
+
+    def __iter__(self) -> Iterator[HostResident]:
+        return iter(self.residents)
 
     def below(self, host_score: float) -> Iterable[HostResident]:
-        return itertools.takewhile(lambda r: r.host_score < host_score, self)
+        return itertools.takewhile(lambda r: r.host_score < host_score, self.residents)
 
 
 @dataclass(slots=True)
