@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Final
 
 from schemas.events import (
     KVBlocksRemoved,
@@ -63,20 +64,49 @@ class Phase(StrEnum):
     FINISHED = "finished"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class SessionView:
-    """What the policy knows of one session."""
+    """What the policy knows of one session; immutable (``Final``: mypy refuses an assignment).
 
-    session_id: SessionId
-    phase: Phase = Phase.IDLE
-    since: float = 0.0  # when the phase began (seconds)
-    tool: str | None = None  # the pending tool in TOOL / HUMAN
-    tool_started_at: float | None = None  # when the pending tool started running (after its verdict)
-    context_tokens: int = 0
-    gpu_blocks: int = 0
-    host_blocks: int = 0
-    turns: int = 0  # LLM calls started
-    attained_service_s: float = 0.0  # prefill + decode time of its completed calls
+    Its ``__init__`` is written out rather than generated: mypyc compiles a written one
+    (``services.cache``), where a frozen dataclass's generated one runs interpreted, setting
+    each field through ``object.__setattr__``: 2.4 us a view, two views an event, a sixth
+    of the compiled fold (docs/benchmarks.md)."""
+
+    session_id: Final[SessionId]
+    phase: Final[Phase]
+    since: Final[float]  # when the phase began (seconds)
+    tool: Final[str | None]  # the pending tool in TOOL / HUMAN
+    tool_started_at: Final[float | None]  # when the pending tool started running (after its verdict)
+    context_tokens: Final[int]
+    gpu_blocks: Final[int]
+    host_blocks: Final[int]
+    turns: Final[int]  # LLM calls started
+    attained_service_s: Final[float]  # prefill + decode time of its completed calls
+
+    def __init__(
+        self,
+        session_id: SessionId,
+        phase: Phase = Phase.IDLE,
+        since: float = 0.0,
+        tool: str | None = None,
+        tool_started_at: float | None = None,
+        context_tokens: int = 0,
+        gpu_blocks: int = 0,
+        host_blocks: int = 0,
+        turns: int = 0,
+        attained_service_s: float = 0.0,
+    ) -> None:
+        self.session_id = session_id
+        self.phase = phase
+        self.since = since
+        self.tool = tool
+        self.tool_started_at = tool_started_at
+        self.context_tokens = context_tokens
+        self.gpu_blocks = gpu_blocks
+        self.host_blocks = host_blocks
+        self.turns = turns
+        self.attained_service_s = attained_service_s
 
 
 @dataclass(slots=True)
