@@ -3,7 +3,7 @@
 ``COMPILED`` are compiled together with mypyc by ``scripts/compile_native.py`` (``make
 install``) into ``_native/``, which goes first on this package's path where it was built
 from the current sources (``log.native.package_builds``; ``AGENTLOG_NATIVE=0`` turns it
-off): the same code, 1.5x faster or more (docs/benchmarks.md). So the code here is what
+off): the same code, its fold about 1.5x as fast (docs/benchmarks.md). So the code here is what
 mypyc compiles: no subclasses of builtins, no attributes set on instances from outside.
 """
 
