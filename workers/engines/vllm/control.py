@@ -20,8 +20,10 @@ silence (vLLM down) is ``ControlUnavailable``, retried.
 - ``status`` -> ``num_free_blocks``, ``pins`` (session -> blocks, seconds left, score),
   ``pending`` (sessions whose pin waits for their running call to end),
   ``pressure_releases`` (sessions whose pins were released under pressure, in order),
-  ``running`` (the sessions of vLLM's running requests) and ``waiting`` (``[session,
-  priority]`` of its waiting requests, in the order it will admit them);
+  ``running`` (the sessions of vLLM's running requests), ``waiting`` (``[session,
+  priority]`` of its waiting requests, in the order it will admit them) and
+  ``kv_batches_unpublished`` (KV event batches queued in vLLM's publisher, not yet sent nor
+  in its replay buffer: 0 once a replay would return every batch so far);
 - ``pin`` session, ttl_s, score -> ``num_blocks``: hold the session's full blocks for
   ``ttl_s`` seconds of the scheduler's monotonic clock (``inf``: until released; renews an
   existing pin; while the session's call runs, the pin is taken when it ends,

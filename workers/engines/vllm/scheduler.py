@@ -216,6 +216,15 @@ class AgentlogScheduler(Scheduler):  # type: ignore[misc]
         if events:
             self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
+    def _kv_batches_unpublished(self) -> int:
+        """Batches handed to vLLM's publisher that its thread has not yet sent and buffered.
+
+        ``publish`` only queues a batch, so a replay request answered right after a call or a
+        discard may lack its last batches; a reader that wants the whole buffer waits for 0.
+        (The queue's ``unfinished_tasks`` drops when the batch is in the replay buffer.)"""
+        queue = getattr(self.kv_event_publisher, "_event_queue", None)
+        return int(getattr(queue, "unfinished_tasks", 0))
+
     # ------------------------------------------------------------ control channel (its thread)
 
     def _tick(self) -> None:
@@ -249,6 +258,7 @@ class AgentlogScheduler(Scheduler):  # type: ignore[misc]
                     # instead of timing them.
                     "running": [r.session_id for r in self.running],
                     "waiting": [[r.session_id, r.priority] for r in self.waiting],
+                    "kv_batches_unpublished": self._kv_batches_unpublished(),
                 }
             session_id = request.get("session")
             if not isinstance(session_id, str) or not session_id:
