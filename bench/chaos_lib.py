@@ -177,6 +177,10 @@ class Operator:
         approved: set[tuple[str, str]] = set()
         book = self.book = SessionBook()
         topics = ["agent.actions", "agent.verdicts", "agent.effects", "ops.commands"]
+        # What the rounds swallowed while the broker was out (step: error -> times, first at):
+        # told with a run that does not finish, so that a watcher stuck for good says why.
+        swallowed: dict[str, list[float]] = {}
+        started_at = last_events_at = loop.time()
         async with (
             open_log(self.log_url, actor="operator", namespace=self.namespace) as log,
             log.consumer(f"watch-{uuid.uuid4().hex[:6]}", topics, from_beginning=True) as consumer,
@@ -185,23 +189,37 @@ class Operator:
                 on_watching()
             while loop.time() < deadline:
                 restart()
+                step = "poll"
                 try:
                     events = await consumer.poll(timeout_s=0.3)
+                    if events:
+                        last_events_at = loop.time()
                     if events and self.on_events is not None:
                         self.on_events(time.time(), events)
+                    step = "fold"
                     book.add_all(events)
+                    step = "act"
                     if not outages:
                         await self._act(log, book, approved, resolved)
                     elif self._has_work(book, approved, resolved):
                         await asyncio.wait_for(self._act_on_fresh_log(book, approved, resolved), ACT_TIMEOUT_S)
-                except Exception:
+                except Exception as e:
                     if not outages:
                         raise
+                    seen = swallowed.setdefault(f"{step}: {type(e).__name__}: {str(e)[:300]}", [0, loop.time()])
+                    seen[0] += 1
                     await asyncio.sleep(0.5)  # the broker is down or paused: the next round tries again
                 more = until is not None and not until()
                 if not more and all(s in book.records and ended(book.records[s].state) for s in self.sessions):
                     return await self.read(), resolved
-        raise AssertionError(f"sessions did not finish in {deadline_s} s\n{self.describe(book)}")
+            watcher = (
+                f"the operator's consumer: {consumer.stats.num_delivered} events delivered, the last "
+                f"{loop.time() - last_events_at:.0f} s ago; reads {consumer.reads}; partitions at its last poll "
+                f"{len(consumer.assignment_at_poll())}, now {len(consumer.assignment())}; {consumer.membership()}\n"
+                "errors its rounds swallowed (times, first at s):\n"
+                + "".join(f"  {n} x, {at - started_at:.0f} s: {what}\n" for what, (n, at) in swallowed.items())
+            )
+        raise AssertionError(f"sessions did not finish in {deadline_s} s\n{watcher}{self.describe(book)}")
 
     def _has_work(self, book: SessionBook, approved: set[tuple[str, str]], resolved: list[str]) -> bool:
         for session in self.sessions:
