@@ -59,7 +59,16 @@ from log.kafka_backend import (
 from log.types import Position, RawRecord, new_tuple
 from log.urls import LIBRDKAFKA_LOGGER
 
-__all__ = ["GroupWord", "RdKafkaBackend", "RepeatsSuppressed", "group_word", "membership_of", "rdkafka_config"]
+__all__ = [
+    "COORDINATOR_LOST_REJOIN_S",
+    "GroupWord",
+    "RdKafkaBackend",
+    "RepeatsSuppressed",
+    "coordinator_lost",
+    "group_word",
+    "membership_of",
+    "rdkafka_config",
+]
 
 _log = logging.getLogger("agentlog.rdkafka")
 _TIMEOUT_S = 30.0
@@ -521,6 +530,8 @@ class GroupWord:
     """No rebalance under way (join state ``steady``)."""
     answered: float | None
     """When the coordinator last answered anything (None: never yet)."""
+    state_age_s: float = 0.0
+    """How long the group handler has been in its state (``stateage``), at ``at``."""
 
 
 def group_word(stats: str) -> GroupWord | None:
@@ -536,7 +547,23 @@ def group_word(stats: str) -> GroupWord | None:
         up=group.get("state") == "up",
         steady=group.get("join_state") == "steady",
         answered=None if idle_us < 0 else at - idle_us / 1e6,
+        state_age_s=group.get("stateage", 0) / 1000,
     )
+
+
+COORDINATOR_LOST_REJOIN_S = 30.0
+"""A member whose group handler has looked for its coordinator this long joins again, with a
+new librdkafka consumer. Seen on librdkafka 2.16 after broker pauses and restarts: the handler
+stays in ``query-coord`` with its one broker connection idle in ``INIT``, and nothing makes it
+connect again; the member reads nothing more, without an error, for good (an EventConsumer
+stuck for an hour while the stack went on, in a 1,000-session chaos run; docs/reliability.md).
+A broker restart takes about 15 s; while a broker is down for longer, a member joins again
+every 30 s, which costs nothing a stuck one would not."""
+
+
+def coordinator_lost(word: GroupWord | None, bound_s: float = COORDINATOR_LOST_REJOIN_S) -> bool:
+    """Whether the group handler has been without a coordinator for longer than ``bound_s``."""
+    return word is not None and not word.up and word.state_age_s > bound_s
 
 
 def membership_of(word: GroupWord | None, assigned_at: float | None, now: float) -> Membership:
@@ -580,11 +607,15 @@ class RdKafkaSubscription(KafkaGroupMember):
     this, not librdkafka's ``assignment()``, which waits for librdkafka's own thread and, called
     from the event loop while another thread polls, stalls it for milliseconds (or for good)."""
 
+    rejoins = 0
+    """How often a member without a coordinator joined again with a new consumer (``coordinator_lost``)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._writing = threading.Lock()
         self._polling = asyncio.Lock()  # one call into the consumer at a time: poll or refresh
         self._early: list[Any] = []  # messages a refresh took, handed out first by the next poll
+        self._generation = 0  # of the librdkafka consumer: callbacks of an abandoned one do nothing
 
     def assignment(self) -> set[tuple[str, int]]:
         return set(self._assigned)
@@ -613,20 +644,50 @@ class RdKafkaSubscription(KafkaGroupMember):
     def join(self) -> None:
         # As in kafka_backend: a new group starts at the beginning, a dead member's partitions
         # move after 6 s, groups live in the namespace, a static member takes its partitions back.
+        generation = self._generation = self._generation + 1
+
+        def current(callback: Callable[..., None]) -> Callable[..., None]:
+            # An abandoned consumer runs its callbacks when it closes: they must not touch ours.
+            return lambda *args: callback(*args) if generation == self._generation else None
+
         config: dict[str, Any] = {
             "group.id": self.backend.physical(self.group),
             "auto.offset.reset": "earliest",
             "session.timeout.ms": SESSION_TIMEOUT_MS,
             "heartbeat.interval.ms": 1000,
             "statistics.interval.ms": STATS_INTERVAL_MS,
-            "stats_cb": self._on_stats,
+            "stats_cb": current(self._on_stats),
         }
         if self.instance_id:
             config["group.instance.id"] = self.instance_id
         self._consumer = self.backend._consumer(**config)
         self._consumer.subscribe(
-            [self.backend.physical(t) for t in self.topics], on_assign=self._on_assign, on_revoke=self._on_revoke
+            [self.backend.physical(t) for t in self.topics],
+            on_assign=current(self._on_assign),
+            on_revoke=current(self._on_revoke),
         )
+
+    def _rejoin(self) -> None:
+        """Leave a consumer stuck without a coordinator (``coordinator_lost``) and join again with
+        a new one. The partitions are given up as a revocation gives them up (the write fence:
+        no record is handed over from here on, and what was lands or fails first); the new
+        consumer takes the ones it gets back from their committed offsets, as after a rebalance."""
+        _log.warning(
+            "consumer of %s: no group coordinator for %.0f s; joining again with a new consumer",
+            self.group,
+            self._word.state_age_s if self._word else 0.0,
+        )
+        with self._writing:
+            self._assigned_at = None
+        self.backend.settle_sends()
+        if self._assigned:
+            self._held = {(self.backend.physical(t), p) for t, p in self._assigned}
+        self._assigned = frozenset()
+        stuck, self._word = self._consumer, None
+        self.join()
+        self.rejoins += 1
+        # Its close may wait on the coordinator it cannot find: let it, on a thread of its own.
+        threading.Thread(target=_close_quietly, args=(stuck,), name="agentlog-rdkafka-close", daemon=True).start()
 
     # Rebalance callbacks run inside consume, on the polling thread. The default (eager)
     # assignors revoke everything, then assign the new set.
@@ -657,6 +718,8 @@ class RdKafkaSubscription(KafkaGroupMember):
 
     async def poll(self, timeout_s: float, max_records: int) -> list[RawRecord]:
         async with self._polling:
+            if coordinator_lost(self._word):
+                await asyncio.to_thread(self._rejoin)
             early, self._early = self._early[:max_records], self._early[max_records:]
             if early:  # something to hand out already: wait for nothing more
                 more = max_records - len(early)
@@ -700,6 +763,13 @@ class RdKafkaSubscription(KafkaGroupMember):
             _log.debug("cannot seek %s[%d] to %d yet: %s", topic, partition, offset, _error(e))
             return False
         return True
+
+
+def _close_quietly(consumer: Any) -> None:
+    try:
+        consumer.close()
+    except Exception as e:  # abandoned: nothing waits for it
+        _log.debug("closing an abandoned consumer: %s", _error(e))
 
 
 def _take(consumer: Any, timeout_s: float, max_records: int) -> list[Any]:

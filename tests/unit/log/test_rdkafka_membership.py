@@ -12,28 +12,46 @@ import pytest
 
 from log.backend import Membership
 from log.kafka_backend import CONFIRMED_FOR_S
-from log.rdkafka_backend import GroupWord, group_word, membership_of
+from log.rdkafka_backend import COORDINATOR_LOST_REJOIN_S, GroupWord, coordinator_lost, group_word, membership_of
 
 pytestmark = pytest.mark.unit
 
 
-def report(ts_s: float, *, state: str = "up", join_state: str = "steady", rxidle_s: float | None = 0.4) -> str:
+def report(
+    ts_s: float,
+    *,
+    state: str = "up",
+    join_state: str = "steady",
+    rxidle_s: float | None = 0.4,
+    state_age_s: float = 5.0,
+) -> str:
     brokers = {
         "127.0.0.1:9092/1": {"name": "127.0.0.1:9092/1", "nodeid": 1, "state": "UP", "rxidle": 100},
         "GroupCoordinator": {"name": "GroupCoordinator", "nodeid": -1, "state": "UP",
                              "rxidle": -1 if rxidle_s is None else int(rxidle_s * 1e6)},
     }  # fmt: skip
-    cgrp = {"state": state, "stateage": 5000, "join_state": join_state, "rebalance_age": 4000, "rebalance_cnt": 1}
+    cgrp = {"state": state, "stateage": int(state_age_s * 1000), "join_state": join_state, "rebalance_age": 4000,
+            "rebalance_cnt": 1}  # fmt: skip
     return json.dumps({"name": "rdkafka#consumer-1", "type": "consumer", "ts": int(ts_s * 1e6), "brokers": brokers,
                        "cgrp": cgrp})  # fmt: skip
 
 
 def test_a_report_gives_the_coordinators_last_answer_on_the_monotonic_clock() -> None:
     word = group_word(report(100.0, rxidle_s=0.4))
-    assert word == GroupWord(at=100.0, up=True, steady=True, answered=pytest.approx(99.6))
+    assert word == GroupWord(at=100.0, up=True, steady=True, answered=pytest.approx(99.6), state_age_s=5.0)
     assert group_word(report(100.0, rxidle_s=None)).answered is None  # type: ignore[union-attr]
     assert group_word(report(100.0, state="wait-coord")).up is False  # type: ignore[union-attr]
     assert group_word(report(100.0, join_state="wait-join")).steady is False  # type: ignore[union-attr]
+
+
+def test_a_group_long_without_its_coordinator_has_lost_it() -> None:
+    """As a member stuck after broker pauses reported itself: ``query-coord`` for 52 s."""
+    stuck = group_word(report(100.0, state="query-coord", join_state="init", state_age_s=52.0))
+    assert coordinator_lost(stuck)
+    looking = group_word(report(100.0, state="query-coord", state_age_s=COORDINATOR_LOST_REJOIN_S - 1))
+    assert not coordinator_lost(looking)  # a broker restart's worth: it may still find it
+    assert not coordinator_lost(group_word(report(100.0, state="up", state_age_s=600.0)))
+    assert not coordinator_lost(None)  # no report yet
 
 
 def test_a_report_without_a_group_says_nothing() -> None:
