@@ -609,6 +609,7 @@ class RdKafkaSubscription(KafkaGroupMember):
 
     rejoins = 0
     """How often a member without a coordinator joined again with a new consumer (``coordinator_lost``)."""
+    rejoin_after_s = COORDINATOR_LOST_REJOIN_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -718,7 +719,7 @@ class RdKafkaSubscription(KafkaGroupMember):
 
     async def poll(self, timeout_s: float, max_records: int) -> list[RawRecord]:
         async with self._polling:
-            if coordinator_lost(self._word):
+            if coordinator_lost(self._word, self.rejoin_after_s):
                 await asyncio.to_thread(self._rejoin)
             early, self._early = self._early[:max_records], self._early[max_records:]
             if early:  # something to hand out already: wait for nothing more

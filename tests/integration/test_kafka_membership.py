@@ -211,3 +211,52 @@ def test_a_member_whose_coordinator_stops_answering_is_in_doubt_until_it_answers
                 await backend.close()
 
         asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_member_long_without_its_coordinator_joins_again_and_reads_on() -> None:
+    """librdkafka can stay without a group coordinator for good after broker pauses and restarts
+    (``COORDINATOR_LOST_REJOIN_S``: its one connection idle, nothing makes it connect again). Here
+    the broker is simply down for longer than the member's bound: the member replaces its
+    consumer while it is down, and reads on (the records from before and after) once it is back."""
+    with LocalKafkaBroker() as broker:
+        ensure_topics(f"kafka://{broker.bootstrap_servers}", namespace="rejoin")
+
+        async def append(keys: list[bytes]) -> None:
+            backend = RdKafkaBackend(broker.bootstrap_servers, namespace="rejoin")  # a fresh one after the restart
+            await backend.start()
+            try:
+                await (await backend.produce(AGENT_ACTIONS.name, [OutRecord(0, key, b"x") for key in keys]))
+            finally:
+                await backend.close()
+
+        async def scenario() -> None:
+            backend = RdKafkaBackend(broker.bootstrap_servers, namespace="rejoin")
+            await backend.start()
+            member = await backend.subscribe("rejoin", [AGENT_ACTIONS.name], from_beginning=True)
+            assert isinstance(member, RdKafkaSubscription)
+            member.rejoin_after_s = 3.0
+            seen: set[bytes] = set()
+
+            async def read(keys: list[bytes]) -> None:
+                deadline = time.monotonic() + STATE_WAIT_S
+                while not set(keys) <= seen:
+                    assert time.monotonic() < deadline, f"read {len(seen & set(keys))} of {len(keys)}"
+                    seen.update(record.key or b"" for record in await member.poll(0.2, 100))
+
+            try:
+                before = [f"before-{i}".encode() for i in range(10)]
+                await append(before)
+                await read(before)
+                broker.kill()
+                await until("it joins again with a new consumer", lambda: member.rejoins >= 1, member)
+                await asyncio.to_thread(broker.start)
+                after = [f"after-{i}".encode() for i in range(10)]
+                await append(after)
+                await read(after)
+                assert member.membership() is not Membership.LOST and len(member.assignment()) > 0
+            finally:
+                await member.close()
+                await backend.close()
+
+        asyncio.run(scenario())
