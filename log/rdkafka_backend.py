@@ -60,7 +60,7 @@ from log.types import Position, RawRecord, new_tuple
 from log.urls import LIBRDKAFKA_LOGGER
 
 __all__ = [
-    "COORDINATOR_LOST_REJOIN_S",
+    "COORDINATOR_LOST_WARN_S",
     "GroupWord",
     "RdKafkaBackend",
     "RepeatsSuppressed",
@@ -551,17 +551,18 @@ def group_word(stats: str) -> GroupWord | None:
     )
 
 
-COORDINATOR_LOST_REJOIN_S = 30.0
-"""A member whose group handler has looked for its coordinator this long joins again, with a
-new librdkafka consumer. Seen on librdkafka 2.16 after broker pauses and restarts: the handler
-stays in ``query-coord`` with its one broker connection idle in ``INIT``, and nothing makes it
-connect again; the member reads nothing more, without an error, for good (an EventConsumer
-stuck for an hour while the stack went on, in a 1,000-session chaos run; docs/reliability.md).
-A broker restart takes about 15 s; while a broker is down for longer, a member joins again
-every 30 s, which costs nothing a stuck one would not."""
+COORDINATOR_LOST_WARN_S = 30.0
+"""A member whose group handler has looked for its coordinator this long says so (a warning, then
+one a minute). A broker restart takes about 15 s; longer, the broker is down, or the member is
+stuck: seen on librdkafka 2.16 with sparse connections (its default) after broker pauses and
+restarts, the handler in ``query-coord`` for good, its one broker connection idle in ``INIT``
+and nothing asking it to connect again. The member read nothing more, without an error (an
+EventConsumer stuck for an hour while the stack went on, in a 1,000-session chaos run;
+docs/reliability.md). Group members therefore keep a connection to every broker
+(``enable.sparse.connections=false``), which reconnects on its own."""
 
 
-def coordinator_lost(word: GroupWord | None, bound_s: float = COORDINATOR_LOST_REJOIN_S) -> bool:
+def coordinator_lost(word: GroupWord | None, bound_s: float = COORDINATOR_LOST_WARN_S) -> bool:
     """Whether the group handler has been without a coordinator for longer than ``bound_s``."""
     return word is not None and not word.up and word.state_age_s > bound_s
 
@@ -607,16 +608,14 @@ class RdKafkaSubscription(KafkaGroupMember):
     this, not librdkafka's ``assignment()``, which waits for librdkafka's own thread and, called
     from the event loop while another thread polls, stalls it for milliseconds (or for good)."""
 
-    rejoins = 0
-    """How often a member without a coordinator joined again with a new consumer (``coordinator_lost``)."""
-    rejoin_after_s = COORDINATOR_LOST_REJOIN_S
+    _lost_warned_at: float | None = None
+    """When the member last warned that it has no coordinator (``time.monotonic``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._writing = threading.Lock()
         self._polling = asyncio.Lock()  # one call into the consumer at a time: poll or refresh
         self._early: list[Any] = []  # messages a refresh took, handed out first by the next poll
-        self._generation = 0  # of the librdkafka consumer: callbacks of an abandoned one do nothing
 
     def assignment(self) -> set[tuple[str, int]]:
         return set(self._assigned)
@@ -645,50 +644,38 @@ class RdKafkaSubscription(KafkaGroupMember):
     def join(self) -> None:
         # As in kafka_backend: a new group starts at the beginning, a dead member's partitions
         # move after 6 s, groups live in the namespace, a static member takes its partitions back.
-        generation = self._generation = self._generation + 1
-
-        def current(callback: Callable[..., None]) -> Callable[..., None]:
-            # An abandoned consumer runs its callbacks when it closes: they must not touch ours.
-            return lambda *args: callback(*args) if generation == self._generation else None
-
         config: dict[str, Any] = {
             "group.id": self.backend.physical(self.group),
             "auto.offset.reset": "earliest",
             "session.timeout.ms": SESSION_TIMEOUT_MS,
             "heartbeat.interval.ms": 1000,
             "statistics.interval.ms": STATS_INTERVAL_MS,
-            "stats_cb": current(self._on_stats),
+            "stats_cb": self._on_stats,
+            # A connection to every broker, reconnected by its own thread: with sparse
+            # connections a member could stay without its coordinator for good
+            # (COORDINATOR_LOST_WARN_S).
+            "enable.sparse.connections": False,
         }
         if self.instance_id:
             config["group.instance.id"] = self.instance_id
         self._consumer = self.backend._consumer(**config)
         self._consumer.subscribe(
-            [self.backend.physical(t) for t in self.topics],
-            on_assign=current(self._on_assign),
-            on_revoke=current(self._on_revoke),
+            [self.backend.physical(t) for t in self.topics], on_assign=self._on_assign, on_revoke=self._on_revoke
         )
 
-    def _rejoin(self) -> None:
-        """Leave a consumer stuck without a coordinator (``coordinator_lost``) and join again with
-        a new one. The partitions are given up as a revocation gives them up (the write fence:
-        no record is handed over from here on, and what was lands or fails first); the new
-        consumer takes the ones it gets back from their committed offsets, as after a rebalance."""
-        _log.warning(
-            "consumer of %s: no group coordinator for %.0f s; joining again with a new consumer",
-            self.group,
-            self._word.state_age_s if self._word else 0.0,
-        )
-        with self._writing:
-            self._assigned_at = None
-        self.backend.settle_sends()
-        if self._assigned:
-            self._held = {(self.backend.physical(t), p) for t, p in self._assigned}
-        self._assigned = frozenset()
-        stuck, self._word = self._consumer, None
-        self.join()
-        self.rejoins += 1
-        # Its close may wait on the coordinator it cannot find: let it, on a thread of its own.
-        threading.Thread(target=_close_quietly, args=(stuck,), name="agentlog-rdkafka-close", daemon=True).start()
+    def _warn_if_coordinator_lost(self) -> None:
+        word = self._word
+        if not coordinator_lost(word):
+            self._lost_warned_at = None
+            return
+        now = time.monotonic()
+        if self._lost_warned_at is None or now - self._lost_warned_at >= 60:
+            self._lost_warned_at = now
+            _log.warning(
+                "consumer of %s: no group coordinator for %.0f s (the broker is down, or librdkafka is stuck looking)",
+                self.group,
+                word.state_age_s if word else 0.0,
+            )
 
     # Rebalance callbacks run inside consume, on the polling thread. The default (eager)
     # assignors revoke everything, then assign the new set.
@@ -719,8 +706,7 @@ class RdKafkaSubscription(KafkaGroupMember):
 
     async def poll(self, timeout_s: float, max_records: int) -> list[RawRecord]:
         async with self._polling:
-            if coordinator_lost(self._word, self.rejoin_after_s):
-                await asyncio.to_thread(self._rejoin)
+            self._warn_if_coordinator_lost()
             early, self._early = self._early[:max_records], self._early[max_records:]
             if early:  # something to hand out already: wait for nothing more
                 more = max_records - len(early)
@@ -764,13 +750,6 @@ class RdKafkaSubscription(KafkaGroupMember):
             _log.debug("cannot seek %s[%d] to %d yet: %s", topic, partition, offset, _error(e))
             return False
         return True
-
-
-def _close_quietly(consumer: Any) -> None:
-    try:
-        consumer.close()
-    except Exception as e:  # abandoned: nothing waits for it
-        _log.debug("closing an abandoned consumer: %s", _error(e))
 
 
 def _take(consumer: Any, timeout_s: float, max_records: int) -> list[Any]:

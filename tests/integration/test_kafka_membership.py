@@ -214,11 +214,12 @@ def test_a_member_whose_coordinator_stops_answering_is_in_doubt_until_it_answers
 
 
 @pytest.mark.slow
-def test_a_member_long_without_its_coordinator_joins_again_and_reads_on() -> None:
-    """librdkafka can stay without a group coordinator for good after broker pauses and restarts
-    (``COORDINATOR_LOST_REJOIN_S``: its one connection idle, nothing makes it connect again). Here
-    the broker is simply down for longer than the member's bound: the member replaces its
-    consumer while it is down, and reads on (the records from before and after) once it is back."""
+def test_a_member_whose_broker_is_killed_and_restarted_reads_on() -> None:
+    """The test's own broker is SIGKILLed under a reading member, long enough for the group to
+    revoke its partitions, and restarted on the same port and data: the member joins again and
+    reads on, the records appended before and after. (librdkafka 2.16 with sparse connections
+    could stay without its coordinator for good after such faults, rarely: members keep a
+    connection to every broker, ``COORDINATOR_LOST_WARN_S``.)"""
     with LocalKafkaBroker() as broker:
         ensure_topics(f"kafka://{broker.bootstrap_servers}", namespace="rejoin")
 
@@ -235,7 +236,6 @@ def test_a_member_long_without_its_coordinator_joins_again_and_reads_on() -> Non
             await backend.start()
             member = await backend.subscribe("rejoin", [AGENT_ACTIONS.name], from_beginning=True)
             assert isinstance(member, RdKafkaSubscription)
-            member.rejoin_after_s = 3.0
             seen: set[bytes] = set()
 
             async def read(keys: list[bytes]) -> None:
@@ -249,12 +249,12 @@ def test_a_member_long_without_its_coordinator_joins_again_and_reads_on() -> Non
                 await append(before)
                 await read(before)
                 broker.kill()
-                await until("it joins again with a new consumer", lambda: member.rejoins >= 1, member)
+                await until("its partitions revoked", lambda: member.membership() is Membership.LOST, member)
                 await asyncio.to_thread(broker.start)
                 after = [f"after-{i}".encode() for i in range(10)]
                 await append(after)
                 await read(after)
-                assert member.membership() is not Membership.LOST and len(member.assignment()) > 0
+                assert len(member.assignment()) > 0
             finally:
                 await member.close()
                 await backend.close()

@@ -12,7 +12,7 @@ import pytest
 
 from log.backend import Membership
 from log.kafka_backend import CONFIRMED_FOR_S
-from log.rdkafka_backend import COORDINATOR_LOST_REJOIN_S, GroupWord, coordinator_lost, group_word, membership_of
+from log.rdkafka_backend import COORDINATOR_LOST_WARN_S, GroupWord, coordinator_lost, group_word, membership_of
 
 pytestmark = pytest.mark.unit
 
@@ -48,7 +48,7 @@ def test_a_group_long_without_its_coordinator_has_lost_it() -> None:
     """As a member stuck after broker pauses reported itself: ``query-coord`` for 52 s."""
     stuck = group_word(report(100.0, state="query-coord", join_state="init", state_age_s=52.0))
     assert coordinator_lost(stuck)
-    looking = group_word(report(100.0, state="query-coord", state_age_s=COORDINATOR_LOST_REJOIN_S - 1))
+    looking = group_word(report(100.0, state="query-coord", state_age_s=COORDINATOR_LOST_WARN_S - 1))
     assert not coordinator_lost(looking)  # a broker restart's worth: it may still find it
     assert not coordinator_lost(group_word(report(100.0, state="up", state_age_s=600.0)))
     assert not coordinator_lost(None)  # no report yet

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import logging
+import time
 from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError
 
-from log.backend import Membership
 from log.errors import BackendUnavailable
 from log.rdkafka_backend import RdKafkaBackend, RdKafkaSubscription
 
@@ -63,55 +63,52 @@ def test_a_transient_error_is_logged_and_the_poll_goes_on() -> None:
 
 
 class Made(Consumer):
-    """A consumer as ``join`` makes it: its settings (the statistics callback) and the rebalance
-    callbacks it subscribed with, kept to be called as librdkafka would."""
+    """A consumer as ``join`` makes it: its settings (the statistics callback among them)."""
 
     def __init__(self, **config: Any) -> None:
         super().__init__()
         self.config = config
-        self.closed = threading.Event()
-        self.on_assign: Any = None
-        self.on_revoke: Any = None
 
     def subscribe(self, topics: list[str], *, on_assign: Any, on_revoke: Any) -> None:
-        self.on_assign, self.on_revoke = on_assign, on_revoke
-
-    def close(self) -> None:
-        self.closed.set()
+        pass
 
 
 def stats(state: str, state_age_s: float) -> str:
     return json.dumps({"ts": 10**6, "brokers": {}, "cgrp": {"state": state, "stateage": int(state_age_s * 1000)}})
 
 
-def test_a_member_stuck_without_its_coordinator_joins_again_with_a_new_consumer(
-    monkeypatch: pytest.MonkeyPatch,
+def test_a_member_keeps_a_connection_to_every_broker_and_says_when_it_has_no_coordinator(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """librdkafka 2.16 can stay in ``query-coord`` for good after broker pauses; the poll sees it
-    in the statistics and replaces the consumer. The stuck one is closed on a thread of its own
-    (its close may wait for the coordinator), and its callbacks, run as it closes, change nothing."""
+    """librdkafka 2.16 with sparse connections could leave a member looking for its coordinator
+    for good, its one connection idle (docs/reliability.md): members connect to every broker,
+    and one without a coordinator for 30 s warns (then once a minute), instead of going silent."""
     made: list[Made] = []
     backend = RdKafkaBackend("127.0.0.1:1")
     monkeypatch.setattr(backend, "_consumer", lambda **config: made.append(Made(**config)) or made[-1])
     subscription = RdKafkaSubscription(backend, "decider", ["agent.actions"], from_beginning=True)
     subscription.join()
-    stuck = made[0]
-    stuck.config["stats_cb"](stats("up", 1.0))
-    subscription._assigned = frozenset({("agent.actions", 0), ("agent.actions", 1)})
-    subscription._assigned_at = 1.0
-    assert asyncio.run(subscription.poll(0.1, 10)) == [] and subscription.rejoins == 0
+    (consumer,) = made
+    assert consumer.config["enable.sparse.connections"] is False
+    report = consumer.config["stats_cb"]
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
 
-    stuck.config["stats_cb"](stats("query-coord", 52.0))  # as a stuck member reported itself
-    assert asyncio.run(subscription.poll(0.1, 10)) == []
-    assert subscription.rejoins == 1 and len(made) == 2 and subscription._consumer is made[1]
-    assert stuck.closed.wait(5), "the stuck consumer is closed"
-    assert subscription.membership() is Membership.LOST and subscription.assignment() == set()
-    physical = backend.physical("agent.actions")
-    assert subscription._held == {(physical, 0), (physical, 1)}  # taken back from their committed offsets
+    def warnings_after_poll() -> int:
+        asyncio.run(subscription.poll(0.1, 10))
+        return sum("no group coordinator" in r.getMessage() for r in caplog.records)
 
-    stuck.config["stats_cb"](stats("query-coord", 99.0))  # the old one, closing: ignored
-    stuck.on_revoke(stuck, [])
-    assert subscription._word is None and subscription._held == {(physical, 0), (physical, 1)}
-    made[1].config["stats_cb"](stats("query-coord", 2.0))  # the new one looking for its coordinator
-    assert subscription._word is not None and subscription._word.state_age_s == 2.0
-    assert asyncio.run(subscription.poll(0.1, 10)) == [] and subscription.rejoins == 1
+    with caplog.at_level(logging.WARNING, logger="agentlog.rdkafka"):
+        report(stats("query-coord", 12.0))  # a broker restart's worth: it may still find it
+        assert warnings_after_poll() == 0
+        report(stats("query-coord", 52.0))  # as the stuck member reported itself
+        assert warnings_after_poll() == 1
+        clock[0] += 30
+        assert warnings_after_poll() == 1  # once a minute
+        clock[0] += 31
+        assert warnings_after_poll() == 2
+        report(stats("up", 1.0))
+        assert warnings_after_poll() == 2
+        report(stats("query-coord", 31.0))  # lost again: said at once
+        assert warnings_after_poll() == 3
+    assert "no group coordinator for 31 s" in caplog.records[-1].getMessage()
