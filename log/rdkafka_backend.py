@@ -553,13 +553,13 @@ def group_word(stats: str) -> GroupWord | None:
 
 COORDINATOR_LOST_WARN_S = 30.0
 """A member whose group handler has looked for its coordinator this long says so (a warning, then
-one a minute). A broker restart takes about 15 s; longer, the broker is down, or the member is
-stuck: seen on librdkafka 2.16 with sparse connections (its default) after broker pauses and
-restarts, the handler in ``query-coord`` for good, its one broker connection idle in ``INIT``
-and nothing asking it to connect again. The member read nothing more, without an error (an
-EventConsumer stuck for an hour while the stack went on, in a 1,000-session chaos run;
-docs/reliability.md). Group members therefore keep a connection to every broker
-(``enable.sparse.connections=false``), which reconnects on its own."""
+one a minute). A broker restart takes about 15 s: longer, the broker is down, or the member is
+stuck. librdkafka 2.16 can stay so for good after broker pauses and restarts: the handler in
+``query-coord``, its broker connections idle in ``INIT`` or ``TRY_CONNECT``, while the broker
+answers every other client. The member then reads nothing more, without an error (an
+EventConsumer was stuck for an hour while the stack went on, in a 1,000-session chaos run;
+docs/reliability.md). Not fixed here: a new consumer gets the member out, but destroying the
+stuck one crashed librdkafka once, and connecting to every broker did not prevent the state."""
 
 
 def coordinator_lost(word: GroupWord | None, bound_s: float = COORDINATOR_LOST_WARN_S) -> bool:
@@ -651,10 +651,6 @@ class RdKafkaSubscription(KafkaGroupMember):
             "heartbeat.interval.ms": 1000,
             "statistics.interval.ms": STATS_INTERVAL_MS,
             "stats_cb": self._on_stats,
-            # A connection to every broker, reconnected by its own thread: with sparse
-            # connections a member could stay without its coordinator for good
-            # (COORDINATOR_LOST_WARN_S).
-            "enable.sparse.connections": False,
         }
         if self.instance_id:
             config["group.instance.id"] = self.instance_id

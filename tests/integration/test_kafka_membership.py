@@ -217,9 +217,8 @@ def test_a_member_whose_coordinator_stops_answering_is_in_doubt_until_it_answers
 def test_a_member_whose_broker_is_killed_and_restarted_reads_on() -> None:
     """The test's own broker is SIGKILLed under a reading member, long enough for the group to
     revoke its partitions, and restarted on the same port and data: the member joins again and
-    reads on, the records appended before and after. (librdkafka 2.16 with sparse connections
-    could stay without its coordinator for good after such faults, rarely: members keep a
-    connection to every broker, ``COORDINATOR_LOST_WARN_S``.)"""
+    reads on, the records appended before and after. (librdkafka 2.16 can stay without its
+    coordinator for good after such faults, rarely and not on demand: ``COORDINATOR_LOST_WARN_S``.)"""
     with LocalKafkaBroker() as broker:
         ensure_topics(f"kafka://{broker.bootstrap_servers}", namespace="rejoin")
 
