@@ -29,7 +29,6 @@ from log import LoggedEvent, open_log
 from schemas import events as ev
 from tests.integration.vllm.conftest import (
     NUM_GPU_BLOCKS,
-    STATE_WAIT_S,
     TINY_MODEL,
     Vllm,
     VllmClient,
@@ -38,7 +37,6 @@ from tests.integration.vllm.conftest import (
 )
 from workers.engine_bridge.core import kv_event_id
 from workers.engine_bridge.vllm import SessionMap, VllmKVSource, decode_batch
-from workers.engines.vllm.control import ControlClient
 from workers.engines.vllm.server import VllmServer, VllmServerConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -71,14 +69,8 @@ async def expected_from_replay_buffer(vllm: Vllm) -> dict[str, tuple[str, ev.Eve
     vLLM's ``publish`` only queues a batch for its publisher thread, so a replay asked for right
     after a call or a discard could miss the last batches (which the bridge then logs: "extra"
     events). The scheduler's status says when the queue is empty."""
-    control = ControlClient(vllm.control)
-    try:
-        deadline = time.monotonic() + STATE_WAIT_S
-        while (queued := (await control.call("status"))["kv_batches_unpublished"]) > 0:
-            assert time.monotonic() < deadline, f"vLLM still holds {queued} unpublished KV batches"
-            await asyncio.sleep(0.02)
-    finally:
-        await control.aclose()
+    async with vllm_client(vllm) as c:
+        await c.until("vLLM published every KV batch", lambda status: status["kv_batches_unpublished"] == 0)
     source = VllmKVSource(ENGINE_ID, vllm.kv_events, vllm.kv_replay)
     try:
         raws = await source._replay(0)

@@ -40,9 +40,6 @@ class Consumer:
         taken, self.events = self.events[:num_messages], self.events[num_messages:]
         return taken
 
-    def close(self) -> None:
-        pass
-
 
 def member(*events: Any) -> RdKafkaSubscription:
     subscription = RdKafkaSubscription(RdKafkaBackend("127.0.0.1:1"), "decider", ["agent.actions"], from_beginning=True)
