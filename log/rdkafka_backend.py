@@ -61,6 +61,8 @@ from log.urls import LIBRDKAFKA_LOGGER
 
 __all__ = [
     "COORDINATOR_LOST_WARN_S",
+    "ORPHANED_AFTER_S",
+    "PROBE_EVERY_S",
     "GroupWord",
     "RdKafkaBackend",
     "RepeatsSuppressed",
@@ -390,14 +392,18 @@ class RdKafkaBackend(KafkaCluster, Backend):
     async def num_partitions(self) -> int:
         if self._num_partitions is None:
             scanner = await self._take_scanner()
+            healthy = True
             try:
                 counts = {}
                 for t in topic_table.TOPICS:
                     metadata = await asyncio.to_thread(scanner.list_topics, self.physical(t.name), _TIMEOUT_S)
                     topic = metadata.topics.get(self.physical(t.name))
                     counts[t.name] = len(topic.partitions) if topic is not None and topic.error is None else 0
+            except Exception:
+                healthy = False
+                raise
             finally:
-                self._scanners.append(scanner)
+                await self._put_back(scanner, healthy)
             self._num_partitions = one_partition_count(counts)
         return self._num_partitions
 
@@ -438,6 +444,7 @@ class RdKafkaBackend(KafkaCluster, Backend):
     ) -> AsyncIterator[RawRecord]:
         physical = self.physical(topic)
         scanner = await self._take_scanner()
+        healthy = True
         try:
             if end is None:
                 end = await self._end_offset(scanner, physical, partition)
@@ -461,9 +468,21 @@ class RdKafkaBackend(KafkaCluster, Backend):
                     # position tells how far the log really goes.
                     (tp,) = await asyncio.to_thread(scanner.position, [TopicPartition(physical, partition)])
                     position = max(position, tp.offset)
+        except Exception:
+            healthy = False
+            raise
         finally:
             await asyncio.to_thread(scanner.unassign)
+            await self._put_back(scanner, healthy)
+
+    async def _put_back(self, scanner: Any, healthy: bool) -> None:
+        """Pool a scanner again, or close it if its call failed: the failure may be librdkafka's
+        having dropped every broker it knew (``ORPHANED_AFTER_S``), for good, where a new client
+        bootstraps afresh."""
+        if healthy:
             self._scanners.append(scanner)
+        else:
+            await asyncio.to_thread(scanner.close)
 
     @staticmethod
     async def _end_offset(consumer: Any, physical: str, partition: int) -> int:
@@ -478,11 +497,27 @@ class RdKafkaBackend(KafkaCluster, Backend):
     async def end_offsets(self, topic: str) -> dict[int, int]:
         n = await self.num_partitions()
         scanner = await self._take_scanner()
+        healthy = True
         try:
             physical = self.physical(topic)
             return {p: await self._end_offset(scanner, physical, p) for p in range(n)}
+        except Exception:
+            healthy = False
+            raise
         finally:
-            self._scanners.append(scanner)
+            await self._put_back(scanner, healthy)
+
+    def cluster_answers(self, timeout_s: float = 5.0) -> bool:
+        """Whether a new client, bootstrapping afresh, hears of a broker within ``timeout_s``
+        (blocking: run it in a thread). A member without a coordinator asks this to tell a
+        cluster that is down from a client librdkafka left without brokers (``ORPHANED_AFTER_S``)."""
+        probe = self._consumer(**{"group.id": self.physical(SCAN_GROUP)})
+        try:
+            return len(probe.list_topics(None, timeout_s).brokers) > 0
+        except KafkaException:
+            return False
+        finally:
+            probe.close()
 
     async def subscribe(
         self, group: str, topics: Sequence[str], *, from_beginning: bool, instance_id: str | None = None
@@ -552,14 +587,24 @@ def group_word(stats: str) -> GroupWord | None:
 
 
 COORDINATOR_LOST_WARN_S = 30.0
-"""A member whose group handler has looked for its coordinator this long says so (a warning, then
-one a minute). A broker restart takes about 15 s: longer, the broker is down, or the member is
-stuck. librdkafka 2.16 can stay so for good after broker pauses and restarts: the handler in
-``query-coord``, its broker connections idle in ``INIT`` or ``TRY_CONNECT``, while the broker
-answers every other client. The member then reads nothing more, without an error (an
-EventConsumer was stuck for an hour while the stack went on, in a 1,000-session chaos run;
-docs/reliability.md). Not fixed here: a new consumer gets the member out, but destroying the
-stuck one crashed librdkafka once, and connecting to every broker did not prevent the state."""
+"""A member whose group handler has looked for its coordinator this long while the cluster does
+not answer either says so (a warning, then one a minute): the broker is down."""
+
+ORPHANED_AFTER_S = 20.0
+"""A member whose group handler has looked for its coordinator this long while a new client
+reaches the cluster joins again with a new consumer (``RdKafkaSubscription``): librdkafka has given
+up on the cluster. A broker restart or pause takes about 15 s to come back from; a member that
+can still find its coordinator finds it within seconds of the broker answering.
+
+The cause (librdkafka 2.16, its issue #5301, not fixed upstream): a KRaft broker that comes back
+from a pause fences itself until it registers again, and a Metadata request answered in that
+window lists no broker. librdkafka then decommissions every broker it knew, and its re-bootstrap
+timer only starts with a Metadata request it sends, which it now has no broker to send to. The
+member reads nothing more, without an error, for good (an EventConsumer was stuck for an hour
+in a 1,000-session chaos run; docs/reliability.md)."""
+
+PROBE_EVERY_S = 10.0
+"""How often a member without a coordinator asks a new client whether the cluster answers."""
 
 
 def coordinator_lost(word: GroupWord | None, bound_s: float = COORDINATOR_LOST_WARN_S) -> bool:
@@ -610,9 +655,17 @@ class RdKafkaSubscription(KafkaGroupMember):
 
     _lost_warned_at: float | None = None
     """When the member last warned that it has no coordinator (``time.monotonic``)."""
+    _probed_at: float | None = None
+    """When the member last asked whether the cluster answers (``time.monotonic``)."""
+    rejoins = 0
+    """How often the member joined again with a new consumer (``ORPHANED_AFTER_S``)."""
+    orphaned_after_s = ORPHANED_AFTER_S
+    """``ORPHANED_AFTER_S`` for this member (``bench/rdkafka_orphans.py`` turns it off in a
+    member that shows what happens without it)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._generation = 0  # of the librdkafka consumer: the callbacks of a replaced one do nothing
         self._writing = threading.Lock()
         self._polling = asyncio.Lock()  # one call into the consumer at a time: poll or refresh
         self._early: list[Any] = []  # messages a refresh took, handed out first by the next poll
@@ -650,28 +703,67 @@ class RdKafkaSubscription(KafkaGroupMember):
             "session.timeout.ms": SESSION_TIMEOUT_MS,
             "heartbeat.interval.ms": 1000,
             "statistics.interval.ms": STATS_INTERVAL_MS,
-            "stats_cb": self._on_stats,
         }
         if self.instance_id:
             config["group.instance.id"] = self.instance_id
-        self._consumer = self.backend._consumer(**config)
+        generation = self._generation = self._generation + 1
+
+        def current(callback: Callable[..., None]) -> Callable[..., None]:
+            # A replaced consumer runs its callbacks as it closes: they must not touch the member.
+            return lambda *args: callback(*args) if generation == self._generation else None
+
+        self._consumer = self.backend._consumer(**config, stats_cb=current(self._on_stats))
         self._consumer.subscribe(
-            [self.backend.physical(t) for t in self.topics], on_assign=self._on_assign, on_revoke=self._on_revoke
+            [self.backend.physical(t) for t in self.topics],
+            on_assign=current(self._on_assign),
+            on_revoke=current(self._on_revoke),
         )
 
-    def _warn_if_coordinator_lost(self) -> None:
+    async def _rejoin_if_orphaned(self) -> None:
+        """Join again with a new consumer if librdkafka has given up on the cluster
+        (``ORPHANED_AFTER_S``); while the cluster does not answer either, say so once a minute."""
         word = self._word
-        if not coordinator_lost(word):
+        if not coordinator_lost(word, min(self.orphaned_after_s, COORDINATOR_LOST_WARN_S)):
             self._lost_warned_at = None
             return
         now = time.monotonic()
-        if self._lost_warned_at is None or now - self._lost_warned_at >= 60:
+        if self._probed_at is not None and now - self._probed_at < PROBE_EVERY_S:
+            return
+        self._probed_at = now
+        answers = await asyncio.to_thread(self.backend.cluster_answers)
+        if answers and coordinator_lost(word, self.orphaned_after_s):
+            await asyncio.to_thread(self._rejoin)
+        elif coordinator_lost(word) and (self._lost_warned_at is None or now - self._lost_warned_at >= 60):
             self._lost_warned_at = now
             _log.warning(
-                "consumer of %s: no group coordinator for %.0f s (the broker is down, or librdkafka is stuck looking)",
+                "consumer of %s: no group coordinator for %.0f s; the cluster %s",
                 self.group,
                 word.state_age_s if word else 0.0,
+                "answers" if answers else "does not answer",
             )
+
+    def _rejoin(self) -> None:
+        """Close the consumer librdkafka left without brokers and join again with a new one. The
+        partitions are given up as a revocation gives them up (the write fence: no record is
+        handed over from here on, and what was lands or fails first); the new consumer takes
+        back the ones it gets from their committed offsets, as after a rebalance."""
+        _log.warning(
+            "consumer of %s: no group coordinator for %.0f s while the cluster answers (librdkafka "
+            "dropped every broker it knew: its issue #5301); joining again with a new consumer",
+            self.group,
+            self._word.state_age_s if self._word else 0.0,
+        )
+        with self._writing:
+            self._assigned_at = None
+        self.backend.settle_sends()
+        if self._assigned:
+            self._held = {(self.backend.physical(t), p) for t, p in self._assigned}
+        self._assigned = frozenset()
+        self._early = []  # from partitions it has given up
+        stuck, self._word = self._consumer, None
+        self.join()  # the stuck consumer's callbacks are off from here on
+        stuck.close()
+        self.rejoins += 1
 
     # Rebalance callbacks run inside consume, on the polling thread. The default (eager)
     # assignors revoke everything, then assign the new set.
@@ -702,7 +794,7 @@ class RdKafkaSubscription(KafkaGroupMember):
 
     async def poll(self, timeout_s: float, max_records: int) -> list[RawRecord]:
         async with self._polling:
-            self._warn_if_coordinator_lost()
+            await self._rejoin_if_orphaned()
             early, self._early = self._early[:max_records], self._early[max_records:]
             if early:  # something to hand out already: wait for nothing more
                 more = max_records - len(early)

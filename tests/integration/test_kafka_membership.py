@@ -30,7 +30,7 @@ import pytest
 from cli.common import ensure_topics
 from log.backend import Membership, OutRecord, Subscription
 from log.kafka_backend import KafkaBackend, KafkaCluster, KafkaSubscription
-from log.local_kafka import LocalKafkaBroker
+from log.local_kafka import LocalKafkaBroker, free_ports
 from log.rdkafka_backend import STATS_INTERVAL_MS, RdKafkaBackend, RdKafkaSubscription
 from log.topics import AGENT_ACTIONS
 
@@ -217,8 +217,8 @@ def test_a_member_whose_coordinator_stops_answering_is_in_doubt_until_it_answers
 def test_a_member_whose_broker_is_killed_and_restarted_reads_on() -> None:
     """The test's own broker is SIGKILLed under a reading member, long enough for the group to
     revoke its partitions, and restarted on the same port and data: the member joins again and
-    reads on, the records appended before and after. (librdkafka 2.16 can stay without its
-    coordinator for good after such faults, rarely and not on demand: ``COORDINATOR_LOST_WARN_S``.)"""
+    reads on, the records appended before and after. While the broker is down the member's
+    probe of the cluster fails, so it keeps its consumer (``ORPHANED_AFTER_S``)."""
     with LocalKafkaBroker() as broker:
         ensure_topics(f"kafka://{broker.bootstrap_servers}", namespace="rejoin")
 
@@ -259,3 +259,61 @@ def test_a_member_whose_broker_is_killed_and_restarted_reads_on() -> None:
                 await backend.close()
 
         asyncio.run(scenario())
+
+
+def test_a_member_that_joins_again_with_a_new_consumer_reads_on(kafka_bootstrap: str, namespace: str) -> None:
+    """What a member does once librdkafka has dropped every broker it knew
+    (``log.rdkafka_backend.ORPHANED_AFTER_S``), on a real broker: the stuck consumer closed, a
+    new one joins, is assigned every partition and reads them from the beginning (a
+    from-beginning member), the records appended before and after. The state itself comes of a
+    race in the broker's restart (a Metadata answer that lists no broker) and is not made on
+    demand here: the unit tests drive the member into it, ``bench/rdkafka_orphans.py`` soaks it."""
+    ensure_topics(f"kafka://{kafka_bootstrap}", namespace=namespace)
+
+    async def scenario() -> None:
+        backend = RdKafkaBackend(kafka_bootstrap, namespace=namespace)
+        await backend.start()
+        member = await backend.subscribe(f"rejoin-{uuid.uuid4().hex[:6]}", [AGENT_ACTIONS.name], from_beginning=True)
+        assert isinstance(member, RdKafkaSubscription)
+        seen: list[bytes] = []
+
+        async def read(keys: list[bytes]) -> None:
+            deadline = time.monotonic() + STATE_WAIT_S
+            while not set(keys) <= set(seen):
+                assert time.monotonic() < deadline, f"read {len(set(seen) & set(keys))} of {len(keys)}"
+                seen.extend(record.key or b"" for record in await member.poll(0.2, 100))
+
+        try:
+            num_partitions = await backend.num_partitions()
+            before = [f"before-{i}".encode() for i in range(10)]
+            await (
+                await backend.produce(
+                    AGENT_ACTIONS.name, [OutRecord(i % num_partitions, k, b"x") for i, k in enumerate(before)]
+                )
+            )
+            await read(before)
+            stuck = member._consumer
+            assert await asyncio.to_thread(backend.cluster_answers)
+            await asyncio.to_thread(member._rejoin)
+            assert member.rejoins == 1 and member._consumer is not stuck
+            assert member.membership() is Membership.LOST and member.assignment() == set()
+            seen.clear()
+            after = [f"after-{i}".encode() for i in range(10)]
+            await (
+                await backend.produce(
+                    AGENT_ACTIONS.name, [OutRecord(i % num_partitions, k, b"x") for i, k in enumerate(after)]
+                )
+            )
+            await read(before + after)  # from the beginning again, as a new member of the group
+            assert len(member.assignment()) == num_partitions
+            await until("confirmed", lambda: member.membership() is Membership.CONFIRMED, member)
+        finally:
+            await member.close()
+            await backend.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_probe_of_a_cluster_that_is_not_there_says_so() -> None:
+    (port,) = free_ports(1)
+    assert not RdKafkaBackend(f"127.0.0.1:{port}").cluster_answers(timeout_s=1.0)

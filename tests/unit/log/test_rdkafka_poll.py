@@ -9,8 +9,9 @@ import time
 from typing import Any
 
 import pytest
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from log.backend import Membership
 from log.errors import BackendUnavailable
 from log.rdkafka_backend import RdKafkaBackend, RdKafkaSubscription
 
@@ -60,51 +61,152 @@ def test_a_transient_error_is_logged_and_the_poll_goes_on() -> None:
 
 
 class Made(Consumer):
-    """A consumer as ``join`` makes it: its settings (the statistics callback among them)."""
+    """A consumer as ``join`` makes it: its settings (the statistics callback among them), its
+    rebalance callbacks, whether it was closed."""
 
     def __init__(self, **config: Any) -> None:
         super().__init__()
         self.config = config
+        self.closed = False
+        self.callbacks: dict[str, Any] = {}
 
     def subscribe(self, topics: list[str], *, on_assign: Any, on_revoke: Any) -> None:
+        self.callbacks = {"assign": on_assign, "revoke": on_revoke}
+
+    def assign(self, partitions: list[Any]) -> None:
         pass
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def stats(state: str, state_age_s: float) -> str:
     return json.dumps({"ts": 10**6, "brokers": {}, "cgrp": {"state": state, "stateage": int(state_age_s * 1000)}})
 
 
-def test_a_member_says_when_it_has_been_without_a_coordinator_for_long(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """librdkafka 2.16 can leave a member looking for its coordinator for good, its connections
-    idle (docs/reliability.md): one without a coordinator for 30 s warns (then once a minute)
-    instead of going silent."""
-    made: list[Made] = []
-    backend = RdKafkaBackend("127.0.0.1:1")
-    monkeypatch.setattr(backend, "_consumer", lambda **config: made.append(Made(**config)) or made[-1])
+class Backend(RdKafkaBackend):
+    """Makes ``Made`` consumers; the cluster answers a probe as ``answers`` says."""
+
+    def __init__(self) -> None:
+        super().__init__("127.0.0.1:1")
+        self.made: list[Made] = []
+        self.answers = True
+        self.probes = 0
+
+    def _consumer(self, **config: Any) -> Made:
+        self.made.append(Made(**config))
+        return self.made[-1]
+
+    def cluster_answers(self, timeout_s: float = 5.0) -> bool:
+        self.probes += 1
+        return self.answers
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    return now
+
+
+def test_a_member_librdkafka_left_without_brokers_joins_again_with_a_new_consumer(clock: list[float]) -> None:
+    """librdkafka 2.16 drops every broker it knew when a broker back from a pause answers with
+    none (its issue #5301), and never looks again (docs/reliability.md). A member without a
+    coordinator for 20 s while a new client reaches the cluster joins again: the stuck consumer
+    closed, its partitions given up, its callbacks no longer the member's."""
+    backend = Backend()
     subscription = RdKafkaSubscription(backend, "decider", ["agent.actions"], from_beginning=True)
     subscription.join()
-    (consumer,) = made
-    report = consumer.config["stats_cb"]
-    clock = [1000.0]
-    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    (stuck,) = backend.made
+    stuck.callbacks["assign"](stuck, [TopicPartition("agent.actions", 2)])
+    assert subscription.assignment() == {("agent.actions", 2)}
 
-    def warnings_after_poll() -> int:
+    report = stuck.config["stats_cb"]
+    report(stats("query-coord", 12.0))  # a broker restart's worth: it may still find it
+    asyncio.run(subscription.poll(0.1, 10))
+    assert (len(backend.made), backend.probes) == (1, 0)
+    report(stats("query-coord", 21.0))
+    asyncio.run(subscription.poll(0.1, 10))
+    assert (len(backend.made), backend.probes, subscription.rejoins) == (2, 1, 1)
+    assert stuck.closed and not backend.made[1].closed
+    assert subscription.assignment() == set()
+    assert subscription.membership() is Membership.LOST
+
+    # The stuck consumer's reports and rebalances, as it closes, are not the member's.
+    report(stats("query-coord", 60.0))
+    stuck.callbacks["assign"](stuck, [TopicPartition("agent.actions", 0)])
+    assert subscription.assignment() == set()
+    asyncio.run(subscription.poll(0.1, 10))
+    assert (len(backend.made), subscription.rejoins) == (2, 1)
+    # The new one's are.
+    fresh = backend.made[1]
+    fresh.callbacks["assign"](fresh, [TopicPartition("agent.actions", 2)])
+    assert subscription.assignment() == {("agent.actions", 2)}
+
+
+def test_a_member_whose_cluster_is_down_waits_for_it_and_says_so(
+    clock: list[float], caplog: pytest.LogCaptureFixture
+) -> None:
+    """While a new client cannot reach the cluster either, the broker is down: the member keeps
+    its consumer, asks again every 10 s, and warns after 30 s (then once a minute)."""
+    backend = Backend()
+    backend.answers = False
+    subscription = RdKafkaSubscription(backend, "decider", ["agent.actions"], from_beginning=True)
+    subscription.join()
+    report = backend.made[0].config["stats_cb"]
+
+    def poll() -> tuple[int, int]:
         asyncio.run(subscription.poll(0.1, 10))
-        return sum("no group coordinator" in r.getMessage() for r in caplog.records)
+        return backend.probes, sum("no group coordinator" in r.getMessage() for r in caplog.records)
 
     with caplog.at_level(logging.WARNING, logger="agentlog.rdkafka"):
-        report(stats("query-coord", 12.0))  # a broker restart's worth: it may still find it
-        assert warnings_after_poll() == 0
-        report(stats("query-coord", 52.0))  # as the stuck member reported itself
-        assert warnings_after_poll() == 1
+        report(stats("query-coord", 21.0))
+        assert poll() == (1, 0)
+        clock[0] += 5
+        assert poll() == (1, 0)  # asked 5 s ago
+        report(stats("query-coord", 31.0))
+        clock[0] += 5
+        assert poll() == (2, 1)
         clock[0] += 30
-        assert warnings_after_poll() == 1  # once a minute
+        assert poll() == (3, 1)  # a warning a minute
         clock[0] += 31
-        assert warnings_after_poll() == 2
+        assert poll() == (4, 2)
         report(stats("up", 1.0))
-        assert warnings_after_poll() == 2
+        clock[0] += 31
+        assert poll() == (4, 2)
         report(stats("query-coord", 31.0))  # lost again: said at once
-        assert warnings_after_poll() == 3
-    assert "no group coordinator for 31 s" in caplog.records[-1].getMessage()
+        assert poll() == (5, 3)
+    assert "no group coordinator for 31 s; the cluster does not answer" in caplog.records[-1].getMessage()
+    assert len(backend.made) == 1 and subscription.rejoins == 0
+
+
+class Scanner:
+    """A scanner whose reads of a partition's end fail as ``fails`` says."""
+
+    def __init__(self, fails: bool) -> None:
+        self.fails = fails
+        self.closed = False
+
+    def get_watermark_offsets(self, partition: Any, timeout: float) -> tuple[int, int]:
+        if self.fails:
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "no broker"))
+        return 0, 7
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_scanner_whose_read_failed_is_closed_not_pooled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client librdkafka left without brokers stays so (ORPHANED_AFTER_S): pooled again, it
+    would fail every later read; a new one bootstraps afresh."""
+    monkeypatch.setattr("log.rdkafka_backend._TIMEOUT_S", 0.0)  # no retries of the transient error
+    backend = RdKafkaBackend("127.0.0.1:1")
+    backend._num_partitions = 1
+    healthy, failing = Scanner(fails=False), Scanner(fails=True)
+    backend._scanners = [healthy]
+    assert asyncio.run(backend.end_offsets("agent.actions")) == {0: 7}
+    assert backend._scanners == [healthy] and not healthy.closed
+    backend._scanners = [failing]
+    with pytest.raises(BackendUnavailable, match="cannot read the end of agent.actions"):
+        asyncio.run(backend.end_offsets("agent.actions"))
+    assert backend._scanners == [] and failing.closed
