@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
-from log.backend import OutRecord
+from log.backend import Backend, OutRecord
 from log.errors import BackendUnavailable
-from log.kafka_backend import KafkaBackend
 from log.types import Position
 
 TRIES = 40
@@ -20,7 +19,7 @@ WAIT_S = 30.0
 """How long one try waits for its verdict (a bounded producer settles within 1.5 s)."""
 
 
-async def produce_retrying(backend: KafkaBackend, topic: str, record: OutRecord) -> Position:
+async def produce_retrying(backend: Backend, topic: str, record: OutRecord) -> Position:
     for _ in range(TRIES):
         try:
             (position,) = await asyncio.wait_for(await backend.produce(topic, [record]), WAIT_S)
