@@ -195,16 +195,12 @@ class _Producing:
     """The producer and the fatal error that took it, if one did: made together, so a batch
     names the error of the producer its records went to, never another's."""
 
-    __slots__ = ("failed", "fatal", "producer", "serving")
+    __slots__ = ("fatal", "producer")
 
-    def __init__(self, producer: Any, failed: Callable[[_Producing], None] | None = None) -> None:
+    def __init__(self, producer: Any) -> None:
         self.producer = producer
         self.fatal: str | None = None
         """Set once by the delivery thread; the cause of every failure after it."""
-        self.serving = True
-        """Its delivery thread polls it while set (a replaced producer's stops once it is flushed)."""
-        self.failed = failed
-        """Called on the event loop when one of its batches failed."""
 
 
 class _Batch:
@@ -246,8 +242,6 @@ class _Batch:
         if self.error is not None:
             why = self.producing.fatal or self.error
             self.future.set_exception(BackendUnavailable(f"producing to {self.topic} failed: {why}"))
-            if self.producing.failed is not None:
-                self.producing.failed(self.producing)
             return
         topic = self.topic
         self.future.set_result([Position(topic, p, o) for p, o in zip(self.partitions, self.offsets, strict=True)])
@@ -257,8 +251,6 @@ class RdKafkaBackend(KafkaCluster, Backend):
     """Topics on a Kafka cluster at ``bootstrap`` (``host:port[,host:port]``), via librdkafka."""
 
     name = "kafka"
-    producers_replaced = 0
-    """How often a producer librdkafka left without brokers was replaced (``_replace_if_stranded``)."""
 
     def __init__(
         self,
@@ -279,8 +271,6 @@ class RdKafkaBackend(KafkaCluster, Backend):
         self._common = {"bootstrap.servers": bootstrap, "logger": _client_log, **rdkafka_config(self.client_config)}
         self._started = False
         self._producing_now: _Producing | None = None  # made at the first append (_producing)
-        self._checking: asyncio.Task[None] | None = None  # _replace_if_stranded, after a failed batch
-        self._checked_at: float | None = None
         self._delivering = False
         self._delivery: threading.Thread | None = None
         self._in_order = asyncio.Lock()
@@ -322,8 +312,7 @@ class RdKafkaBackend(KafkaCluster, Backend):
                         "acks": "all",
                         "enable.idempotence": True,
                     }
-                ),
-                failed=self._batch_failed,
+                )
             )
             self._producing_now = producing
             self._delivering = True
@@ -343,8 +332,8 @@ class RdKafkaBackend(KafkaCluster, Backend):
             _log.warning("%d records in flight when partitions were revoked", remaining)
 
     def _deliver(self, producing: _Producing) -> None:
-        """Serve delivery reports (they run inside ``poll``) until ``close`` or a replacement."""
-        while self._delivering and producing.serving:
+        """Serve delivery reports (they run inside ``poll``) until ``close``."""
+        while self._delivering:
             try:
                 producing.producer.poll(0.05)
             except KafkaException as e:
@@ -355,47 +344,8 @@ class RdKafkaBackend(KafkaCluster, Backend):
                     producing.fatal = _error(e)
                 _log.error("the producer failed: %s", producing.fatal)
 
-    def _batch_failed(self, producing: _Producing) -> None:
-        # On the event loop. One check at a time, at most every PROBE_EVERY_S.
-        if producing is not self._producing_now or (self._checking is not None and not self._checking.done()):
-            return
-        if self._checked_at is not None and time.monotonic() - self._checked_at < PROBE_EVERY_S:
-            return
-        self._checked_at = time.monotonic()
-        self._checking = asyncio.ensure_future(self._replace_if_stranded(producing))
-
-    async def _replace_if_stranded(self, producing: _Producing) -> None:
-        """After a failed batch: if the producer reaches no broker while a new client reaches
-        the cluster, librdkafka has dropped every broker it knew (``ORPHANED_AFTER_S``), for
-        good; the next records go to a new producer. What the old one holds is purged: those
-        batches fail, as a delivery timeout fails them (maybe landed, maybe not), and their
-        callers append again after re-reading the partition."""
-        try:
-            try:  # librdkafka waits for a broker it can ask: a stranded producer has none
-                await asyncio.to_thread(producing.producer.list_topics, None, STRANDED_VIEW_S)
-                return  # it reaches one: the failure was the broker's
-            except KafkaException:
-                pass
-            if not await asyncio.to_thread(self.cluster_answers):
-                return  # the broker is down
-            async with self._in_order:  # no produce() call hands it records from here on
-                if producing is not self._producing_now:
-                    return
-                _log.warning(
-                    "the producer reaches no broker while the cluster answers (librdkafka dropped every "
-                    "broker it knew: its issue #5301); appending through a new one"
-                )
-                self._producing_now = None
-                self.producers_replaced += 1
-                await asyncio.to_thread(_retire, producing)
-        except Exception as e:  # a check that failed leaves the producer as it was
-            _log.warning("checking the producer after a failed batch: %s", _error(e))
-
     async def close(self) -> None:
         self._started = False
-        if self._checking is not None:
-            self._checking.cancel()
-            await asyncio.gather(self._checking, return_exceptions=True)
         if (producing := self._producing_now) is not None:
             remaining = await asyncio.to_thread(producing.producer.flush, _TIMEOUT_S)
             self._delivering = False
@@ -460,13 +410,13 @@ class RdKafkaBackend(KafkaCluster, Backend):
     async def produce(self, topic: str, records: Sequence[OutRecord]) -> asyncio.Future[list[Position]]:
         if not self._started:
             raise RuntimeError("backend not started")
+        producing = self._producing()
+        produce = producing.producer.produce
+        batch = _Batch(asyncio.get_running_loop(), topic, len(records), producing)
         physical = self.physical(topic)
         # One call at a time: a call that waits for room in the local queue must not let a
-        # later call's records in between its own (nor a replaced producer take them).
+        # later call's records in between its own.
         async with self._in_order:
-            producing = self._producing()
-            produce = producing.producer.produce
-            batch = _Batch(asyncio.get_running_loop(), topic, len(records), producing)
             for index, record in enumerate(records):
                 report = _reporter(batch, index)
                 while True:
@@ -654,12 +604,7 @@ member reads nothing more, without an error, for good (an EventConsumer was stuc
 in a 1,000-session chaos run; docs/reliability.md)."""
 
 PROBE_EVERY_S = 10.0
-"""How often a member without a coordinator (or a producer whose batches fail) asks a new
-client whether the cluster answers."""
-
-STRANDED_VIEW_S = 5.0
-"""How long a producer whose batch failed is given to reach a broker before the cluster is
-asked: a producer librdkafka has not stranded connects within it once the cluster answers."""
+"""How often a member without a coordinator asks a new client whether the cluster answers."""
 
 
 def coordinator_lost(word: GroupWord | None, bound_s: float = COORDINATOR_LOST_WARN_S) -> bool:
@@ -893,13 +838,6 @@ class RdKafkaSubscription(KafkaGroupMember):
             _log.debug("cannot seek %s[%d] to %d yet: %s", topic, partition, offset, _error(e))
             return False
         return True
-
-
-def _retire(producing: _Producing) -> None:
-    """Fail what a replaced producer still holds and stop serving it (blocking)."""
-    producing.producer.purge(in_queue=True, in_flight=True)
-    producing.producer.flush(_TIMEOUT_S)  # serves the purged records' reports: their batches fail
-    producing.serving = False
 
 
 def _take(consumer: Any, timeout_s: float, max_records: int) -> list[Any]:

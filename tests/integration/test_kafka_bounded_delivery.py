@@ -36,9 +36,6 @@ SETTLED_WAIT_S = 30.0
 def test_records_are_given_up_while_the_broker_is_paused_and_the_producer_works_after(
     backend_class: type[KafkaBackend | RdKafkaBackend],
 ) -> None:
-    """On librdkafka the producer is also kept: after a failed batch it reaches no broker, but
-    neither does a new client (``RdKafkaBackend._replace_if_stranded``), so it is not taken
-    for one librdkafka left without brokers."""
     with LocalKafkaBroker() as broker:
         ensure_topics(f"kafka://{broker.bootstrap_servers}", namespace="bounded")
         pid = broker.pid
@@ -49,7 +46,6 @@ def test_records_are_given_up_while_the_broker_is_paused_and_the_producer_works_
             await backend.start()
             try:
                 await (await backend.produce(AGENT_ACTIONS.name, [OutRecord(0, b"s", b"before")]))
-                producing = getattr(backend, "_producing_now", None)
                 os.kill(pid, signal.SIGSTOP)
                 try:
                     # Every try fails within the bound, the first one (sent, then expired) and
@@ -60,14 +56,9 @@ def test_records_are_given_up_while_the_broker_is_paused_and_the_producer_works_
                             produced = await backend.produce(AGENT_ACTIONS.name, [OutRecord(0, b"s", b"during")])
                             await asyncio.wait_for(produced, SETTLED_WAIT_S)
                         await asyncio.sleep(attempt)
-                    if isinstance(backend, RdKafkaBackend):
-                        assert backend._checking is not None
-                        await backend._checking  # the check after the failed batches
                 finally:
                     os.kill(pid, signal.SIGCONT)
                 position = await produce_retrying(backend, AGENT_ACTIONS.name, OutRecord(0, b"s", b"after"))
-                if isinstance(backend, RdKafkaBackend):
-                    assert backend._producing_now is producing  # kept
                 values = [r.value async for r in backend.scan(AGENT_ACTIONS.name, 0)]
                 # A record given up may still have landed (the broker took it before it paused);
                 # never after what was sent once the broker was back.

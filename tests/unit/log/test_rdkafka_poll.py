@@ -6,16 +6,14 @@ import asyncio
 import json
 import logging
 import time
-import types
 from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from log.backend import Membership, OutRecord
+from log.backend import Membership
 from log.errors import BackendUnavailable
 from log.rdkafka_backend import RdKafkaBackend, RdKafkaSubscription
-from log.types import Position
 
 pytestmark = pytest.mark.unit
 
@@ -212,93 +210,3 @@ def test_a_scanner_whose_read_failed_is_closed_not_pooled(monkeypatch: pytest.Mo
     with pytest.raises(BackendUnavailable, match="cannot read the end of agent.actions"):
         asyncio.run(backend.end_offsets("agent.actions"))
     assert backend._scanners == [] and failing.closed
-
-
-class Delivered:
-    def __init__(self, offset: int) -> None:
-        self._offset = offset
-
-    def partition(self) -> int:
-        return 0
-
-    def offset(self) -> int:
-        return self._offset
-
-
-class Producer:
-    """A producer whose records wait until the test delivers or fails them; whether it reaches
-    a broker is ``reachable``."""
-
-    made: list[Producer]
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.pending: list[Any] = []
-        self.reachable = True
-        self.purged = False
-        Producer.made.append(self)
-
-    def produce(self, topic: str, value: bytes, key: bytes, partition: int, *, on_delivery: Any) -> None:
-        self.pending.append(on_delivery)
-
-    def report_all(self, err: KafkaError | None) -> None:
-        pending, self.pending = self.pending, []
-        for offset, report in enumerate(pending):
-            report(err, Delivered(offset))
-
-    def poll(self, timeout: float) -> int:
-        time.sleep(min(timeout, 0.01))
-        return 0
-
-    def flush(self, timeout: float = -1) -> int:
-        self.report_all(None)
-        return 0
-
-    def purge(self, in_queue: bool = True, in_flight: bool = True) -> None:
-        self.purged = True
-        self.report_all(KafkaError(KafkaError._PURGE_QUEUE, "purged"))
-
-    def list_topics(self, topic: str | None = None, timeout: float = -1) -> Any:
-        if not self.reachable:
-            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "no broker"))
-        return types.SimpleNamespace(brokers={1: object()})
-
-
-@pytest.mark.parametrize(
-    ("reachable", "cluster_answers", "replaced"),
-    [(False, True, True), (True, True, False), (False, False, False)],
-    ids=["stranded", "reaches-a-broker", "cluster-down"],
-)
-def test_a_producer_librdkafka_left_without_brokers_is_replaced(
-    monkeypatch: pytest.MonkeyPatch, reachable: bool, cluster_answers: bool, replaced: bool
-) -> None:
-    """As a member's consumer (ORPHANED_AFTER_S): after a failed batch, a producer that reaches
-    no broker while a new client reaches the cluster is replaced; what it held fails (its
-    callers append again after re-reading), and the next records go to the new one. A producer
-    that reaches a broker, or whose cluster is down, is kept."""
-    Producer.made = []
-    monkeypatch.setattr("log.rdkafka_backend.Producer", Producer)
-    record = [OutRecord(0, b"session", b"event")]
-
-    async def scenario() -> None:
-        backend = RdKafkaBackend("127.0.0.1:1", bounded_delivery=True)
-        backend._started = True
-        monkeypatch.setattr(backend, "cluster_answers", lambda timeout_s=5.0: cluster_answers)
-        timed_out = await backend.produce("agent.actions", record)
-        held = await backend.produce("agent.actions", record)
-        (first,) = Producer.made
-        first.reachable = reachable
-        first.pending.pop(0)(KafkaError(KafkaError._MSG_TIMED_OUT, "timed out"), None)
-        with pytest.raises(BackendUnavailable, match="_MSG_TIMED_OUT"):
-            await timed_out
-        assert backend._checking is not None
-        await backend._checking
-        after = await backend.produce("agent.actions", record)
-        assert len(Producer.made) == (2 if replaced else 1) == backend.producers_replaced + 1
-        assert first.purged is replaced
-        if replaced:
-            with pytest.raises(BackendUnavailable, match="_PURGE_QUEUE"):
-                await held
-        await backend.close()  # flushes the producer in use: the rest land
-        assert await after == [Position("agent.actions", 0, 0 if replaced else 1)]
-
-    asyncio.run(scenario())
