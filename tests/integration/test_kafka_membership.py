@@ -50,6 +50,23 @@ async def until(what: str, done: Callable[[], bool], *members: Subscription) -> 
         await asyncio.sleep(0.05)
 
 
+async def started_member(bootstrap: str, namespace: str, group: str) -> tuple[RdKafkaBackend, RdKafkaSubscription]:
+    """A started librdkafka backend, and a from-beginning member of ``group`` reading agent.actions."""
+    backend = RdKafkaBackend(bootstrap, namespace=namespace)
+    await backend.start()
+    member = await backend.subscribe(group, [AGENT_ACTIONS.name], from_beginning=True)
+    assert isinstance(member, RdKafkaSubscription)
+    return backend, member
+
+
+async def read_keys(member: Subscription, seen: set[bytes], keys: list[bytes]) -> None:
+    """Poll ``member`` until every one of ``keys`` is in ``seen``, which the polls add to."""
+    deadline = time.monotonic() + STATE_WAIT_S
+    while not set(keys) <= seen:
+        assert time.monotonic() < deadline, f"read {len(seen & set(keys))} of {len(keys)}"
+        seen.update(record.key or b"" for record in await member.poll(0.2, 100))
+
+
 def test_a_member_whose_heartbeats_go_unanswered_is_in_doubt_then_lost(kafka_bootstrap: str, namespace: str) -> None:
     ensure_topics(f"kafka://{kafka_bootstrap}", namespace=namespace)
 
@@ -145,10 +162,7 @@ def test_a_member_not_polled_for_long_hears_the_group_with_a_refresh_and_loses_n
     ensure_topics(f"kafka://{kafka_bootstrap}", namespace=namespace)
 
     async def scenario() -> None:
-        backend = RdKafkaBackend(kafka_bootstrap, namespace=namespace)
-        await backend.start()
-        member = await backend.subscribe(f"refresh-{uuid.uuid4().hex[:6]}", [AGENT_ACTIONS.name], from_beginning=True)
-        assert isinstance(member, RdKafkaSubscription)
+        backend, member = await started_member(kafka_bootstrap, namespace, f"refresh-{uuid.uuid4().hex[:6]}")
         try:
             num_partitions = await backend.num_partitions()
             await until("it owns every partition", lambda: len(member.assignment()) == num_partitions, member)
@@ -231,28 +245,18 @@ def test_a_member_whose_broker_is_killed_and_restarted_reads_on() -> None:
                 await backend.close()
 
         async def scenario() -> None:
-            backend = RdKafkaBackend(broker.bootstrap_servers, namespace="rejoin")
-            await backend.start()
-            member = await backend.subscribe("rejoin", [AGENT_ACTIONS.name], from_beginning=True)
-            assert isinstance(member, RdKafkaSubscription)
+            backend, member = await started_member(broker.bootstrap_servers, "rejoin", "rejoin")
             seen: set[bytes] = set()
-
-            async def read(keys: list[bytes]) -> None:
-                deadline = time.monotonic() + STATE_WAIT_S
-                while not set(keys) <= seen:
-                    assert time.monotonic() < deadline, f"read {len(seen & set(keys))} of {len(keys)}"
-                    seen.update(record.key or b"" for record in await member.poll(0.2, 100))
-
             try:
                 before = [f"before-{i}".encode() for i in range(10)]
                 await append(before)
-                await read(before)
+                await read_keys(member, seen, before)
                 broker.kill()
                 await until("its partitions revoked", lambda: member.membership() is Membership.LOST, member)
                 await asyncio.to_thread(broker.start)
                 after = [f"after-{i}".encode() for i in range(10)]
                 await append(after)
-                await read(after)
+                await read_keys(member, seen, after)
                 assert len(member.assignment()) > 0
             finally:
                 await member.close()
@@ -271,18 +275,8 @@ def test_a_member_that_joins_again_with_a_new_consumer_reads_on(kafka_bootstrap:
     ensure_topics(f"kafka://{kafka_bootstrap}", namespace=namespace)
 
     async def scenario() -> None:
-        backend = RdKafkaBackend(kafka_bootstrap, namespace=namespace)
-        await backend.start()
-        member = await backend.subscribe(f"rejoin-{uuid.uuid4().hex[:6]}", [AGENT_ACTIONS.name], from_beginning=True)
-        assert isinstance(member, RdKafkaSubscription)
-        seen: list[bytes] = []
-
-        async def read(keys: list[bytes]) -> None:
-            deadline = time.monotonic() + STATE_WAIT_S
-            while not set(keys) <= set(seen):
-                assert time.monotonic() < deadline, f"read {len(set(seen) & set(keys))} of {len(keys)}"
-                seen.extend(record.key or b"" for record in await member.poll(0.2, 100))
-
+        backend, member = await started_member(kafka_bootstrap, namespace, f"rejoin-{uuid.uuid4().hex[:6]}")
+        seen: set[bytes] = set()
         try:
             num_partitions = await backend.num_partitions()
             before = [f"before-{i}".encode() for i in range(10)]
@@ -291,7 +285,7 @@ def test_a_member_that_joins_again_with_a_new_consumer_reads_on(kafka_bootstrap:
                     AGENT_ACTIONS.name, [OutRecord(i % num_partitions, k, b"x") for i, k in enumerate(before)]
                 )
             )
-            await read(before)
+            await read_keys(member, seen, before)
             stuck = member._consumer
             assert await asyncio.to_thread(backend.cluster_answers)
             await asyncio.to_thread(member._rejoin)
@@ -304,7 +298,7 @@ def test_a_member_that_joins_again_with_a_new_consumer_reads_on(kafka_bootstrap:
                     AGENT_ACTIONS.name, [OutRecord(i % num_partitions, k, b"x") for i, k in enumerate(after)]
                 )
             )
-            await read(before + after)  # from the beginning again, as a new member of the group
+            await read_keys(member, seen, before + after)  # from the beginning again, as a new member of the group
             assert len(member.assignment()) == num_partitions
             await until("confirmed", lambda: member.membership() is Membership.CONFIRMED, member)
         finally:
