@@ -6,8 +6,9 @@ Run::
                                         [--max-records 500] [--poll-sizes 500 50]
                                         [--clients python rdkafka] [--no-kafka] [--json FILE]
 
-Without ``--bootstrap`` (and without ``KAFKA_BOOTSTRAP_SERVERS``) the Kafka rows are
-skipped unless ``--local-kafka`` starts a broker from the Maven jars.
+The Kafka rows run against ``--bootstrap`` (default ``KAFKA_BOOTSTRAP_SERVERS``), else a
+broker the benchmark starts from the Maven jars (``bench.broker``); ``--no-kafka`` runs the
+in-memory rows alone, and then the goal, which is the Kafka worker's, is not measured.
 
 Workload
 --------
@@ -75,6 +76,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
+from bench.broker import broker_address
 from log import Draft, LoggedEvent, Position, SharedLog
 from log import topics as topic_table
 from log.backend import Backend
@@ -433,6 +435,28 @@ def ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.3f}"
 
 
+GOAL_EVENTS_PER_S = 20_000
+GOAL_DECIDE_P99_S = 0.002
+
+
+def goal_lines(rows: Sequence[Row]) -> list[str]:
+    """The goal's verdict for each Kafka worker row (20,000 events/s, decide p99 < 2 ms): the goal is
+    the worker's, reading from Kafka and appending its decisions; the in-memory rows are its ceiling."""
+    workers = [r for r in rows if r.name.startswith("Kafka worker")]
+    if not workers:
+        return ["goal >= 20,000 events/s from Kafka: not measured (no Kafka worker row in this run)"]
+    lines = []
+    for r in workers:
+        p99 = pct(r.decide_s, 0.99)
+        rate_met = r.rate >= GOAL_EVENTS_PER_S
+        p99_met = p99 is not None and p99 < GOAL_DECIDE_P99_S
+        lines.append(
+            f"goal >= 20,000 events/s: {r.name}: {r.rate:,.0f} -> {'met' if rate_met else 'NOT met'}; "
+            f"goal p99 < 2 ms (decide, wall): {ms(p99)} ms -> {'met' if p99_met else 'NOT met'}"
+        )
+    return lines
+
+
 def table(rows: list[Row], base: Row) -> str:
     header = (
         f"{'':<42} {'events/s':>10} {'cpu ev/s':>9} {'x mem':>6} {'decisions':>9} {'decide p50':>10} {'p99':>7}"
@@ -499,15 +523,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 delete_namespace(args.bootstrap, namespace)
     print()
     print(table(rows, rows[0]))
-    worker_rows = [r for r in rows if r.name.startswith("Kafka worker")]
     print()
-    for r in worker_rows or rows[:1]:
-        p99 = pct(r.decide_s, 0.99)
-        print(
-            f"goal >= 20,000 events/s: {r.name}: {r.rate:,.0f} -> {'met' if r.rate >= 20_000 else 'NOT met'}; "
-            f"goal p99 < 2 ms (decide, wall): {ms(p99)} ms -> "
-            f"{'met' if p99 is not None and p99 < 0.002 else 'NOT met'}"
-        )
+    print("\n".join(goal_lines(rows)))
     args.result = {"events": len(events), "sessions": args.sessions, "append_rate": append_rate, "rows": rows}
     return 0
 
@@ -530,7 +547,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.no_kafka:
         args.bootstrap = None
-    code = asyncio.run(main_async(args))
+        code = asyncio.run(main_async(args))
+    else:
+        with broker_address(args.bootstrap) as bootstrap:
+            args.bootstrap = bootstrap
+            code = asyncio.run(main_async(args))
     if args.json:
         result = args.result
         rows: list[Row] = result.pop("rows")

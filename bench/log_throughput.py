@@ -92,6 +92,7 @@ from kafka.admin import KafkaAdminClient
 from kafka.errors import KafkaError
 from kafka.record import util as kafka_record_util
 
+from bench.broker import broker_address, given_address
 from log import Draft, RawRecord, SharedLog, tune_gc
 from log.acls import ADMIN, init_secure_log
 from log.chain import ChainVerifier
@@ -772,22 +773,6 @@ def to_json(
             },
         }
     return out
-
-
-@contextlib.contextmanager
-def broker_address(bootstrap: str | None) -> Iterator[str]:
-    """``bootstrap``, else $KAFKA_BOOTSTRAP_SERVERS, else a local broker for the duration."""
-    address = given_address(bootstrap)
-    if address:
-        yield address
-        return
-    print("starting a local Kafka broker ...", file=sys.stderr)
-    with LocalKafkaBroker() as broker:
-        yield broker.bootstrap_servers
-
-
-def given_address(bootstrap: str | None) -> str | None:
-    return bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or None
 
 
 @contextlib.contextmanager

@@ -4,6 +4,8 @@ Run::
 
     python -m bench.metrics_cost [--events 100000] [--sessions 2000] [--rounds 3] [--bootstrap HOST:PORT]
 
+Without ``--bootstrap`` (or ``KAFKA_BOOTSTRAP_SERVERS``) it starts a local broker (``bench.broker``).
+
 Each round fills two fresh Kafka namespaces with the same events (bench/cache_manager_scale.py's
 trace-like workload) and runs ``CacheManagerWorker`` over each backlog, once as
 ``python -m workers.cache_manager`` runs without ``--metrics-port`` and once with it (a
@@ -24,6 +26,7 @@ import statistics
 import sys
 import uuid
 
+from bench.broker import broker_address
 from bench.cache_manager_scale import (
     Row,
     config_for,
@@ -102,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-records", type=int, default=500)
     parser.add_argument("--bootstrap", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
     args = parser.parse_args(argv)
-    if not args.bootstrap:
-        parser.error("a Kafka broker is needed: --bootstrap HOST:PORT or KAFKA_BOOTSTRAP_SERVERS")
-    return asyncio.run(main_async(args))
+    with broker_address(args.bootstrap) as bootstrap:  # a local broker of its own when none is given
+        args.bootstrap = bootstrap
+        return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

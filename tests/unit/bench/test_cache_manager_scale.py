@@ -1,0 +1,32 @@
+"""bench.cache_manager_scale's verdict: the goal is the Kafka worker's, never the in-memory ceiling's."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.cache_manager_scale import Row, goal_lines
+
+pytestmark = pytest.mark.unit
+
+
+def row(name: str, events_per_s: float, decide_s: list[float]) -> Row:
+    return Row(name, num_events=int(events_per_s), seconds=1.0, num_decisions=len(decide_s), decide_s=decide_s)
+
+
+def test_without_a_kafka_worker_row_the_goal_is_not_measured() -> None:
+    """A run without a broker's rows must not pass the in-memory fold off as the worker."""
+    fast_memory_only = [row("fold+decide (memory)", 50_000, [0.0001] * 100)]
+    assert goal_lines(fast_memory_only) == [
+        "goal >= 20,000 events/s from Kafka: not measured (no Kafka worker row in this run)"
+    ]
+
+
+def test_each_kafka_worker_row_gets_its_verdict() -> None:
+    rows = [
+        row("fold+decide (memory)", 50_000, [0.0001] * 100),
+        row("Kafka worker, poll 500, librdkafka", 21_000, [0.0005] * 100),
+        row("Kafka worker, poll 500, kafka-python", 15_000, [0.0005] * 98 + [0.003] * 2),
+    ]
+    met, slow = goal_lines(rows)
+    assert "librdkafka: 21,000 -> met" in met and met.endswith("0.500 ms -> met")
+    assert "kafka-python: 15,000 -> NOT met" in slow and slow.endswith("ms -> NOT met")
