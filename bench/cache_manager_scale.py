@@ -4,7 +4,7 @@ Run::
 
     python -m bench.cache_manager_scale [--events N] [--sessions 10000] [--bootstrap HOST:PORT]
                                         [--max-records 500] [--poll-sizes 500 50]
-                                        [--clients python rdkafka] [--no-kafka] [--json FILE]
+                                        [--clients python rdkafka] [--rounds 3] [--no-kafka] [--json FILE]
 
 The Kafka rows run against ``--bootstrap`` (default ``KAFKA_BOOTSTRAP_SERVERS``), else a
 broker the benchmark starts from the Maven jars (``bench.broker``); ``--no-kafka`` runs the
@@ -50,6 +50,12 @@ before every row, so that rows pay for the state they build, not for the benchma
 it does not drop when other work on the machine takes the CPU, and on a core of one's
 own the two would be equal for a row that never waits.
 
+Rounds and the goal (``--rounds K``, default 3): every Kafka worker row runs K times, the
+rows taking turns (round 1 of each, then round 2 of each), each in a fresh namespace. The
+goal (issue 16: 20,000 events/s with decide p99 under 2 ms) is decided per row on the
+median of its rounds' rate and p99: one round's rate moves by a quarter with other work on
+a shared machine, and a verdict on the best round would call a goal met that most runs miss.
+
 Latency, per event that causes decisions: ``decide`` is fold+decide of that event
 ("from receiving the event to the decision ready to append",
 when the event is taken alone, by the wall clock: a CPU clock is a system call, and
@@ -70,6 +76,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 import uuid
@@ -442,18 +449,28 @@ GOAL_DECIDE_P99_S = 0.002
 
 def goal_lines(rows: Sequence[Row]) -> list[str]:
     """The goal's verdict for each Kafka worker row (20,000 events/s, decide p99 < 2 ms): the goal is
-    the worker's, reading from Kafka and appending its decisions; the in-memory rows are its ceiling."""
-    workers = [r for r in rows if r.name.startswith("Kafka worker")]
+    the worker's, reading from Kafka and appending its decisions; the in-memory rows are its ceiling.
+    A row that ran in several rounds (rows of one name) is judged on the median of its rounds'
+    rate and p99, with every round's rate beside it."""
+    workers: dict[str, list[Row]] = {}
+    for r in rows:
+        if r.name.startswith("Kafka worker"):
+            workers.setdefault(r.name, []).append(r)
     if not workers:
         return [f"goal >= {GOAL_EVENTS_PER_S:,} events/s from Kafka: not measured (no Kafka worker row in this run)"]
     lines = []
-    for r in workers:
-        p99 = pct(r.decide_s, 0.99)
-        rate_met = r.rate >= GOAL_EVENTS_PER_S
+    for name, runs in workers.items():
+        rate = statistics.median(r.rate for r in runs)
+        p99s = [p for p in (pct(r.decide_s, 0.99) for r in runs) if p is not None]
+        p99 = statistics.median(p99s) if p99s else None
+        rate_met = rate >= GOAL_EVENTS_PER_S
         p99_met = p99 is not None and p99 < GOAL_DECIDE_P99_S
         rate_verdict, p99_verdict = ("met" if rate_met else "NOT met"), ("met" if p99_met else "NOT met")
+        rounds = (
+            "" if len(runs) == 1 else f" (median of {len(runs)} rounds: {', '.join(f'{r.rate:,.0f}' for r in runs)})"
+        )
         lines.append(
-            f"goal >= {GOAL_EVENTS_PER_S:,} events/s: {r.name}: {r.rate:,.0f} -> {rate_verdict}; "
+            f"goal >= {GOAL_EVENTS_PER_S:,} events/s: {name}: {rate:,.0f}{rounds} -> {rate_verdict}; "
             f"goal p99 < {GOAL_DECIDE_P99_S * 1000:g} ms (decide, wall): {ms(p99)} ms -> {p99_verdict}"
         )
     return lines
@@ -508,14 +525,16 @@ async def main_async(args: argparse.Namespace) -> int:
     append_rate = None
     if args.bootstrap:
         # One namespace per worker row: each appends its decisions to an empty kv.decisions.
-        runs = [(client, size) for client in args.clients for size in args.poll_sizes]
+        # Rows take turns (round 1 of each, then round 2 of each): a slow spell of the machine is shared.
+        runs = [(client, size) for _ in range(args.rounds) for client in args.clients for size in args.poll_sizes]
         namespaces = [f"scale{uuid.uuid4().hex[:8]}" for _ in runs]
         try:
             for i, ((client, max_records), namespace) in enumerate(zip(runs, namespaces, strict=True)):
                 rate = await fill_kafka(args.bootstrap, namespace, events, args.partitions)
                 append_rate = rate if append_rate is None else append_rate
                 print(f"  appended to Kafka at {rate:,.0f} events/s (not a row: the writers' cost)", flush=True)
-                if i == 0 or runs[i - 1][0] != client:  # the first namespace of each client
+                first_round = i < len(args.clients) * len(args.poll_sizes)
+                if first_round and (i == 0 or runs[i - 1][0] != client):  # the first namespace of each client
                     rows.append(await run_consume(client, args.bootstrap, namespace, len(events), args.max_records))
                     print(f"  {rows[-1].name}: {rows[-1].rate:,.0f} events/s", flush=True)
                 rows.append(await run_worker(client, args.bootstrap, namespace, config, len(events), max_records))
@@ -545,8 +564,13 @@ def main(argv: list[str] | None = None) -> int:
         "--clients", nargs="+", choices=sorted(CLIENT_NAMES), default=["python", "rdkafka"],
         help="Kafka clients: a consume-only row and the worker rows for each",
     )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="runs of each Kafka worker row; the goal is decided on their median"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be positive")
     with contextlib.nullcontext(None) if args.no_kafka else broker_address(args.bootstrap) as bootstrap:
         args.bootstrap = bootstrap
         code = asyncio.run(main_async(args))
