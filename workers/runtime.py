@@ -50,6 +50,28 @@ APPEND_BACKOFF_MAX_S = 5.0
 APPEND_RETRY_S = 120.0
 """An append the log could not deliver is tried again (backoff from 0.5 s to 5 s) for this long,
 then the worker fails (and is restarted): the producer's own 120 s before bounded delivery."""
+GROUP_WAIT_WARN_S = 30.0
+"""An append that has waited this long for the group's word on this member says so, with what it
+waits for, and again every ``GROUP_WAIT_WARN_S`` after: the wait has no bound of its own (the
+group confirms the member or drops it), and one that never ends would otherwise be silent
+(docs/reliability.md, "Open: two sessions never started on a new seed")."""
+
+
+class _GroupWait:
+    """How long one append has waited for the group's word, and when it last said so."""
+
+    __slots__ = ("said", "since")
+
+    def __init__(self, now: float) -> None:
+        self.since = now
+        self.said = now
+
+    def due(self, now: float) -> bool:
+        """Whether to say so now (then not again for ``GROUP_WAIT_WARN_S``)."""
+        if now - self.said < GROUP_WAIT_WARN_S:
+            return False
+        self.said = now
+        return True
 
 
 class _InDoubt(Exception):
@@ -181,12 +203,14 @@ class SessionWorker(MarkRecovery, Worker):
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + APPEND_RETRY_S
         backoff = APPEND_BACKOFF_S
+        waiting = _GroupWait(loop.time())
         while True:
-            await self._confirm_owner(owner)
+            await self._confirm_owner(owner, waiting)
             try:
                 await self.log.append_many(drafts, guard=self._writable(owner))
                 break
-            except _InDoubt:
+            except _InDoubt as doubt:
+                self._say_waiting(owner, waiting, str(doubt))
                 await asyncio.sleep(MEMBERSHIP_POLL_S)  # then _confirm_owner waits for the group's word
                 continue
             except BackendUnavailable:
@@ -214,7 +238,7 @@ class SessionWorker(MarkRecovery, Worker):
                 )
             )
 
-    async def _confirm_owner(self, session_id: str) -> None:
+    async def _confirm_owner(self, session_id: str, waiting: _GroupWait | None = None) -> None:
         """``_check_owner``, and that the group still counts this member, whose partitions it
         could otherwise have given away unbeknown to it (a broker outage swallowed its
         heartbeats): the successor would write the same chains (``Subscription.membership``).
@@ -223,12 +247,26 @@ class SessionWorker(MarkRecovery, Worker):
         over again, and whoever then owns the session's replays it and does the work."""
         # Polled: the answer arrives on kafka-python's heartbeat thread, which sets no event, or
         # (librdkafka) with a poll, which this wait may be holding up: refresh serves it.
+        loop = asyncio.get_running_loop()
+        waiting = waiting or _GroupWait(loop.time())
         while True:
-            if self._group_word(session_id) is Membership.CONFIRMED:
+            if (word := self._group_word(session_id)) is Membership.CONFIRMED:
                 return
+            self._say_waiting(session_id, waiting, f"the group's membership of it is {word.value}")
             if self.consumer is not None:
                 await self.consumer.refresh_membership()
             await asyncio.sleep(MEMBERSHIP_POLL_S)
+
+    def _say_waiting(self, session_id: str, waiting: _GroupWait, why: str) -> None:
+        now = asyncio.get_running_loop().time()
+        if waiting.due(now):
+            _log.warning(
+                "%s: an append for session %s has waited %.0f s for the group to confirm this member (%s)",
+                self.role,
+                session_id,
+                now - waiting.since,
+                why,
+            )
 
     @contextlib.contextmanager
     def _writable(self, session_id: str) -> Iterator[None]:
@@ -245,9 +283,10 @@ class SessionWorker(MarkRecovery, Worker):
                 and self.log.partition_for(session_id) in self._owned
                 and not consumer.assignment_seen()
             ):
-                raise _InDoubt()  # a rebalance ended in the poll in flight: wait for it to return
+                # A rebalance ended in the poll in flight: wait for it to return.
+                raise _InDoubt("a new assignment has not reached the log yet")
             if self._group_word(session_id) is Membership.IN_DOUBT:
-                raise _InDoubt()
+                raise _InDoubt("the group's membership of it went in doubt at the hand-over")
             yield
 
     def _group_word(self, session_id: str) -> Membership:

@@ -11,6 +11,7 @@ again. The old owner's append must be refused instead.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 import pytest
@@ -22,6 +23,7 @@ from log.errors import BackendUnavailable
 from log.memory_backend import MemoryBackend, MemoryStore
 from log.types import Position
 from schemas import events as ev
+from workers import runtime
 from workers.runtime import MEMBERSHIP_POLL_S, SessionWorker
 from workers.worker import PartitionMoved
 
@@ -229,6 +231,50 @@ def test_an_append_waits_until_a_new_assignment_has_reached_the_log() -> None:
             assert consumer.assignment_seen()
             await appending
             assert (await log.end_offsets("agent.actions"))[1] == ends[1] + 1
+            await consumer.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=10))
+
+
+def test_an_append_that_waits_long_for_the_groups_word_says_so_and_what_it_waits_for(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The wait for the group's word has no bound of its own, and a chaos run ended with two
+    sessions whose planner logged nothing for ten minutes (docs/reliability.md, "Open: two
+    sessions never started on a new seed"): a wait that goes on says so, once per
+    ``GROUP_WAIT_WARN_S``, with what it waits for (a membership not confirmed, or a new
+    assignment the log has not seen), and the append lands once the wait is over."""
+    monkeypatch.setattr(runtime, "GROUP_WAIT_WARN_S", 0.1)
+
+    async def scenario() -> None:
+        store = await _store_with_topics()
+        async with SharedLog(MemoryBackend(store), actor="planner") as log:
+            worker, consumer, session = await _worker_on_partition_1(log)
+            ends = await log.end_offsets("agent.actions")
+            membership = [Membership.IN_DOUBT]
+            consumer.membership = lambda: membership[0]  # type: ignore[method-assign]
+            seen = [True]
+            consumer.assignment_seen = lambda: seen[0]  # type: ignore[method-assign]
+
+            async def said(times: int, why: str) -> list[str]:
+                """The waiting lines logged so far, once ``why`` is among them ``times`` times."""
+                while True:
+                    lines = [r.getMessage() for r in caplog.records if r.name == "workers.runtime"]
+                    if sum(line.endswith(f"({why})") for line in lines) >= times:
+                        return lines
+                    await asyncio.sleep(0.01)
+
+            with caplog.at_level(logging.WARNING, logger="workers.runtime"):
+                appending = asyncio.create_task(worker.append(session, STARTED, kind="start"))
+                in_doubt = await said(2, "the group's membership of it is in_doubt")  # said again, not once
+                assert not appending.done() and await log.end_offsets("agent.actions") == ends
+                membership[0], seen[0] = Membership.CONFIRMED, False  # confirmed; a rebalance not yet seen
+                await said(1, "a new assignment has not reached the log yet")
+                seen[0] = True
+                await appending
+
+            assert all(f"{worker.role}: an append for session {session} has waited" in m for m in in_doubt)
+            assert (await log.end_offsets("agent.actions"))[1] == ends[1] + 1  # landed, once
             await consumer.close()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=10))
