@@ -238,7 +238,7 @@ class SessionWorker(MarkRecovery, Worker):
                 )
             )
 
-    async def _confirm_owner(self, session_id: str, waiting: _GroupWait | None = None) -> None:
+    async def _confirm_owner(self, session_id: str, waiting: _GroupWait) -> None:
         """``_check_owner``, and that the group still counts this member, whose partitions it
         could otherwise have given away unbeknown to it (a broker outage swallowed its
         heartbeats): the successor would write the same chains (``Subscription.membership``).
@@ -247,8 +247,6 @@ class SessionWorker(MarkRecovery, Worker):
         over again, and whoever then owns the session's replays it and does the work."""
         # Polled: the answer arrives on kafka-python's heartbeat thread, which sets no event, or
         # (librdkafka) with a poll, which this wait may be holding up: refresh serves it.
-        loop = asyncio.get_running_loop()
-        waiting = waiting or _GroupWait(loop.time())
         while True:
             if (word := self._group_word(session_id)) is Membership.CONFIRMED:
                 return
