@@ -60,6 +60,7 @@ from log.types import Position, RawRecord, new_tuple
 from log.urls import LIBRDKAFKA_LOGGER
 
 __all__ = [
+    "COMMIT_WAIT_S",
     "COORDINATOR_LOST_WARN_S",
     "ORPHANED_AFTER_S",
     "PROBE_EVERY_S",
@@ -615,6 +616,19 @@ in a 1,000-session chaos run; docs/reliability.md)."""
 PROBE_EVERY_S = 10.0
 """How often a member without a coordinator asks a new client whether the cluster answers."""
 
+COMMIT_WAIT_S = 10.0
+"""How long a member's commit waits for the group's answer before its caller goes on (``commit``).
+
+librdkafka bounds no commit: it waits for a group coordinator, which a broker paused for 150 s
+held back for 150 s (measured), and which a consumer librdkafka left without brokers
+(``ORPHANED_AFTER_S``) never finds again. A synchronous commit also holds the consumer's handle:
+every other call into it, the poll among them, waits behind it (confluent-kafka serializes them).
+A worker waiting in such a commit never polls again, and its poll is where the member notices it
+was left without brokers and joins again: a planner stalled so, silently, in a 300-session chaos
+run (docs/reliability.md, "A commit that never returned"). So a commit is asynchronous in
+librdkafka, its answer served by polls; unanswered after this long, the caller goes on, and the
+member's later offsets are held for the commit after it is answered."""
+
 
 def coordinator_lost(word: GroupWord | None, bound_s: float = COORDINATOR_LOST_WARN_S) -> bool:
     """Whether the group handler has been without a coordinator for longer than ``bound_s``."""
@@ -641,6 +655,16 @@ def membership_of(word: GroupWord | None, assigned_at: float | None, now: float)
             return Membership.IN_DOUBT
         answered = max(answered, word.answered)
     return Membership.IN_DOUBT if now - answered > CONFIRMED_FOR_S else Membership.CONFIRMED
+
+
+@dataclass(slots=True)
+class _Commit:
+    """One asynchronous commit of a member, until librdkafka answers it (``on_commit``)."""
+
+    answered: bool = False
+    error: KafkaError | None = None
+    abandoned: bool = False
+    """Its caller stopped waiting (``COMMIT_WAIT_S``): the answer is only logged."""
 
 
 class RdKafkaSubscription(KafkaGroupMember):
@@ -678,6 +702,8 @@ class RdKafkaSubscription(KafkaGroupMember):
         self._writing = threading.Lock()
         self._polling = asyncio.Lock()  # one call into the consumer at a time: poll or refresh
         self._early: list[Any] = []  # messages a refresh took, handed out first by the next poll
+        self._unsent: dict[tuple[str, int], int] = {}  # offsets to commit, held while a commit is unanswered
+        self._commit: _Commit | None = None  # the commit asked last, until its answer (``_on_commit``)
 
     def assignment(self) -> set[tuple[str, int]]:
         return set(self._assigned)
@@ -689,12 +715,15 @@ class RdKafkaSubscription(KafkaGroupMember):
         return membership_of(self._word, self._assigned_at, time.monotonic())
 
     async def refresh(self) -> None:
-        # A poll that waits for nothing serves what librdkafka queued (statistics, rebalances);
-        # it may take a message too, kept for the next poll, in order.
+        await self._serve(0)
+
+    async def _serve(self, timeout_s: float) -> None:
+        """A poll of up to ``timeout_s`` that serves what librdkafka queued (statistics, rebalances,
+        commit answers); it may take a message too, kept for the next poll, in order."""
         async with self._polling:
             if self._consumer is None:
                 return  # closed
-            message = await asyncio.to_thread(self._consumer.poll, 0)
+            message = await asyncio.to_thread(self._consumer.poll, timeout_s)
             if message is not None:
                 self._early.append(message)
 
@@ -721,7 +750,9 @@ class RdKafkaSubscription(KafkaGroupMember):
             # A replaced consumer runs its callbacks as it closes: they must not touch the member.
             return lambda *args: callback(*args) if generation == self._generation else None
 
-        self._consumer = self.backend._consumer(**config, stats_cb=current(self._on_stats))
+        self._consumer = self.backend._consumer(
+            **config, stats_cb=current(self._on_stats), on_commit=current(self._on_commit)
+        )
         self._consumer.subscribe(
             [self.backend.physical(t) for t in self.topics],
             on_assign=current(self._on_assign),
@@ -771,6 +802,7 @@ class RdKafkaSubscription(KafkaGroupMember):
         self._early = []  # from partitions it has given up
         stuck, self._word = self._consumer, None
         self.join()  # the stuck consumer's callbacks are off from here on
+        self._commit = None  # the stuck consumer's, never to be answered
         stuck.close()
         self.rejoins += 1
 
@@ -828,12 +860,57 @@ class RdKafkaSubscription(KafkaGroupMember):
         return records
 
     async def commit(self, offsets: dict[tuple[str, int], int]) -> None:
+        """Commit ``offsets`` (with those held back before) and wait up to ``COMMIT_WAIT_S`` for the
+        group's answer, serving polls meanwhile (a message they take is kept for the next poll).
+        Unanswered by then, the commit stays asked and this returns, with a warning; until it is
+        answered, later offsets are held for the commit after it. Offsets of partitions no longer
+        assigned are not committed: their new owner commits them."""
+        self._unsent.update(offsets)
+        if self._commit is not None:
+            return  # the commit before has no answer yet: these go with the next one
+        assigned = self._assigned
+        unsent, self._unsent = {tp: o for tp, o in self._unsent.items() if tp in assigned}, {}
+        if not unsent:
+            return
         physical = self.backend.physical
-        payload = [TopicPartition(physical(t), p, o) for (t, p), o in offsets.items()]
-        try:
-            await asyncio.to_thread(self._consumer.commit, offsets=payload, asynchronous=False)
-        except KafkaException as e:
-            raise BackendUnavailable(f"commit of {self.group} failed: {_error(e)}") from e
+        payload = [TopicPartition(physical(t), p, o) for (t, p), o in unsent.items()]
+        commit = _Commit()
+        async with self._polling:
+            if self._consumer is None:
+                return  # closed
+            self._commit = commit
+            try:
+                await asyncio.to_thread(self._consumer.commit, offsets=payload, asynchronous=True)
+            except KafkaException as e:  # refused at once
+                self._commit = None
+                raise BackendUnavailable(f"commit of {self.group} failed: {_error(e)}") from e
+        deadline = time.monotonic() + COMMIT_WAIT_S
+        while not commit.answered:
+            if time.monotonic() >= deadline:
+                commit.abandoned = True
+                _log.warning(
+                    "consumer of %s: a commit has had no answer for %.0f s (no group coordinator); polling "
+                    "goes on, and the offsets after it are committed once it is answered",
+                    self.group,
+                    COMMIT_WAIT_S,
+                )
+                return
+            await self._serve(0.05)
+        if commit.error is not None:
+            raise BackendUnavailable(f"commit of {self.group} failed: {commit.error.name()}: {commit.error.str()}")
+
+    def _on_commit(self, error: KafkaError | None, partitions: list[Any]) -> None:
+        # On the polling thread, inside a poll: the answer to the commit asked last.
+        commit, self._commit = self._commit, None
+        if commit is None:
+            return
+        commit.error, commit.answered = error, True
+        if commit.abandoned:
+            _log.warning(
+                "consumer of %s: the commit that had no answer was answered: %s",
+                self.group,
+                "committed" if error is None else f"{error.name()}: {error.str()}",
+            )
 
     def seek(self, topic: str, partition: int, offset: int) -> bool:
         # Called between polls. A partition assigned but not fetched yet cannot seek ("erroneous

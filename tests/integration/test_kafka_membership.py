@@ -19,6 +19,7 @@ revocation waits for a writer's records to land. Every wait is for a state, neve
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -26,6 +27,7 @@ import uuid
 from collections.abc import Callable
 
 import pytest
+from confluent_kafka import TopicPartition
 
 from cli.common import ensure_topics
 from log.backend import Membership, OutRecord, Subscription
@@ -220,6 +222,51 @@ def test_a_member_whose_coordinator_stops_answering_is_in_doubt_until_it_answers
                 # Answered again (after a rejoin if the group dropped it meanwhile).
                 await until("confirmed again", lambda: member.membership() is Membership.CONFIRMED, member)
                 assert len(member.assignment()) == num_partitions
+            finally:
+                await member.close()
+                await backend.close()
+
+        asyncio.run(scenario())
+
+
+def test_a_commit_the_broker_does_not_answer_holds_up_neither_the_member_nor_the_offsets_after_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """librdkafka bounds no commit (log.rdkafka_backend.COMMIT_WAIT_S): with the test's own broker
+    SIGSTOPped, a commit returns unanswered and the member polls on; the offsets committed meanwhile
+    are held, and land with the first commit after the broker answers again."""
+    monkeypatch.setattr("log.rdkafka_backend.COMMIT_WAIT_S", 1.0)  # the test waits it out twice
+    with LocalKafkaBroker() as broker:
+        ensure_topics(f"kafka://{broker.bootstrap_servers}", namespace="commit")
+        pid = broker.pid
+        assert pid is not None
+
+        async def scenario() -> None:
+            backend, member = await started_member(broker.bootstrap_servers, "commit", "commit")
+            physical = backend.physical(AGENT_ACTIONS.name)
+            try:
+                keys = [f"k-{i}".encode() for i in range(10)]
+                await (await backend.produce(AGENT_ACTIONS.name, [OutRecord(0, key, b"x") for key in keys]))
+                await read_keys(member, set(), keys)
+                await member.commit({(AGENT_ACTIONS.name, 0): 4})  # answered
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    with caplog.at_level(logging.WARNING, logger="agentlog.rdkafka"):
+                        await member.commit({(AGENT_ACTIONS.name, 0): 7})
+                        assert "a commit has had no answer" in caplog.text
+                    assert await member.poll(0.1, 10) == []  # the member polls on
+                    await member.commit({(AGENT_ACTIONS.name, 0): 10})  # held while the first waits
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                await until("the first commit answered", lambda: member._commit is None, member)
+                await until("confirmed", lambda: member.membership() is Membership.CONFIRMED, member)
+                await member.commit({})  # what the member commits next carries the held offsets
+                reader = backend._consumer(**{"group.id": backend.physical("commit")})
+                try:
+                    (committed,) = await asyncio.to_thread(reader.committed, [TopicPartition(physical, 0)], 30)
+                finally:
+                    await asyncio.to_thread(reader.close)
+                assert committed.offset == 10
             finally:
                 await member.close()
                 await backend.close()
