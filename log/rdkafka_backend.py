@@ -60,6 +60,7 @@ from log.types import Position, RawRecord, new_tuple
 from log.urls import LIBRDKAFKA_LOGGER
 
 __all__ = [
+    "COMMIT_HELD_WARN_S",
     "COMMIT_WAIT_S",
     "COORDINATOR_LOST_WARN_S",
     "ORPHANED_AFTER_S",
@@ -629,6 +630,9 @@ run (docs/reliability.md, "A commit that never returned"). So a commit is asynch
 librdkafka, its answer served by polls; unanswered after this long, the caller goes on, and the
 member's later offsets are held for the commit after it is answered."""
 
+COMMIT_HELD_WARN_S = 60.0
+"""While offsets are held behind a commit without an answer, a commit says so this often."""
+
 
 def coordinator_lost(word: GroupWord | None, bound_s: float = COORDINATOR_LOST_WARN_S) -> bool:
     """Whether the group handler has been without a coordinator for longer than ``bound_s``."""
@@ -661,6 +665,10 @@ def membership_of(word: GroupWord | None, assigned_at: float | None, now: float)
 class _Commit:
     """One asynchronous commit of a member, until librdkafka answers it (``on_commit``)."""
 
+    asked_at: float
+    """When it was asked (``time.monotonic``)."""
+    said_at: float = 0.0
+    """When a commit held behind it last said so (``time.monotonic``)."""
     answered: bool = False
     error: KafkaError | None = None
     abandoned: bool = False
@@ -866,15 +874,24 @@ class RdKafkaSubscription(KafkaGroupMember):
         answered, later offsets are held for the commit after it. Offsets of partitions no longer
         assigned are not committed: their new owner commits them."""
         self._unsent.update(offsets)
-        if self._commit is not None:
-            return  # the commit before has no answer yet: these go with the next one
+        if (waiting := self._commit) is not None:
+            # The commit before has no answer yet: these go with the next one (said once a minute).
+            now = time.monotonic()
+            if min(now - waiting.asked_at, now - waiting.said_at) >= COMMIT_HELD_WARN_S:
+                waiting.said_at = now
+                _log.warning(
+                    "consumer of %s: offsets held for %.0f s behind a commit without an answer",
+                    self.group,
+                    now - waiting.asked_at,
+                )
+            return
         assigned = self._assigned
         unsent, self._unsent = {tp: o for tp, o in self._unsent.items() if tp in assigned}, {}
         if not unsent:
             return
         physical = self.backend.physical
         payload = [TopicPartition(physical(t), p, o) for (t, p), o in unsent.items()]
-        commit = _Commit()
+        commit = _Commit(asked_at=time.monotonic())
         async with self._polling:
             if self._consumer is None:
                 return  # closed

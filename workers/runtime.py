@@ -54,7 +54,7 @@ GROUP_WAIT_WARN_S = 30.0
 """An append that has waited this long for the group's word on this member says so, with what it
 waits for, and again every ``GROUP_WAIT_WARN_S`` after: the wait has no bound of its own (the
 group confirms the member or drops it), and one that never ends would otherwise be silent
-(docs/reliability.md, "Open: two sessions never started on a new seed")."""
+(docs/reliability.md, "Two sessions never started on a new seed")."""
 
 
 class _GroupWait:

@@ -19,7 +19,7 @@ import pytest
 from confluent_kafka import KafkaError, TopicPartition
 
 from log.errors import BackendUnavailable
-from log.rdkafka_backend import RdKafkaBackend, RdKafkaSubscription
+from log.rdkafka_backend import COMMIT_HELD_WARN_S, RdKafkaBackend, RdKafkaSubscription
 
 pytestmark = pytest.mark.unit
 
@@ -170,7 +170,13 @@ def test_a_commit_without_an_answer_returns_and_the_next_offsets_wait_for_it(
             await subscription.commit({(TOPIC, 0): 5})  # returns unanswered
             assert "a commit has had no answer" in caplog.text
             await subscription.commit({(TOPIC, 0): 7, (TOPIC, 1): 2})
+            assert "offsets held" not in caplog.text
+            waiting = subscription._commit
+            assert waiting is not None
+            waiting.asked_at -= COMMIT_HELD_WARN_S  # a minute without an answer: said once a minute
             await subscription.commit({(TOPIC, 1): 3})
+            await subscription.commit({})
+            assert caplog.text.count("behind a commit without an answer") == 1  # said once in the minute
             assert consumer.commits == [{0: 5}]
             consumer.answer()
             await subscription.poll(0.1, 10)  # the member's polls serve the answer
