@@ -20,33 +20,11 @@ from confluent_kafka import KafkaError, TopicPartition
 
 from log.errors import BackendUnavailable
 from log.rdkafka_backend import COMMIT_HELD_WARN_S, RdKafkaBackend, RdKafkaSubscription
+from tests.unit.log.test_rdkafka_poll import Message
 
 pytestmark = pytest.mark.unit
 
 TOPIC = "agent.actions"
-
-
-class Message:
-    def __init__(self, partition: int, offset: int) -> None:
-        self._partition, self._offset = partition, offset
-
-    def error(self) -> None:
-        return None
-
-    def topic(self) -> str:
-        return TOPIC
-
-    def partition(self) -> int:
-        return self._partition
-
-    def offset(self) -> int:
-        return self._offset
-
-    def key(self) -> bytes:
-        return b"s"
-
-    def value(self) -> bytes:
-        return b"x"
 
 
 class Answering:
@@ -121,6 +99,17 @@ def wait(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     monkeypatch.setattr("log.rdkafka_backend.COMMIT_WAIT_S", seconds)
 
 
+async def answered_commit(
+    subscription: RdKafkaSubscription, consumer: Answering, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the member commits next (no new offsets: the held ones), answered."""
+    wait(monkeypatch, 3600.0)  # answered within: never reached
+    committing = asyncio.ensure_future(subscription.commit({}))
+    await asked(consumer, len(consumer.commits) + 1)
+    consumer.answer()
+    await committing
+
+
 def test_an_answered_commit_returns_and_a_failed_one_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     wait(monkeypatch, 3600.0)  # answered within: this test never reaches it
     subscription, consumer = member(0)
@@ -145,7 +134,7 @@ def test_a_message_a_commit_polled_meanwhile_is_handed_out_by_the_next_poll(monk
     subscription, consumer = member(0)
 
     async def scenario() -> None:
-        consumer.messages.append(Message(0, 41))
+        consumer.messages.append(Message(TOPIC, 0, 41))
         committing = asyncio.ensure_future(subscription.commit({(TOPIC, 0): 41}))
         await asked(consumer, 1)
         await until("taken by the commit's polls", lambda: not consumer.messages)
@@ -181,11 +170,7 @@ def test_a_commit_without_an_answer_returns_and_the_next_offsets_wait_for_it(
             consumer.answer()
             await subscription.poll(0.1, 10)  # the member's polls serve the answer
             assert "the commit that had no answer was answered: committed" in caplog.text
-        wait(monkeypatch, 3600.0)
-        committing = asyncio.ensure_future(subscription.commit({}))
-        await asked(consumer, 2)
-        consumer.answer()
-        await committing
+        await answered_commit(subscription, consumer, monkeypatch)
 
     asyncio.run(scenario())
     assert consumer.commits == [{0: 5}, {0: 7, 1: 3}]
@@ -202,11 +187,7 @@ def test_offsets_of_a_partition_given_up_meanwhile_are_not_committed(monkeypatch
         subscription._assigned = frozenset({(TOPIC, 0)})  # a rebalance took partition 1
         consumer.answer()
         await subscription.poll(0.1, 10)
-        wait(monkeypatch, 3600.0)
-        committing = asyncio.ensure_future(subscription.commit({}))
-        await asked(consumer, 2)
-        consumer.answer()
-        await committing
+        await answered_commit(subscription, consumer, monkeypatch)
 
     asyncio.run(scenario())
     assert consumer.commits == [{0: 5}, {0: 6}]
