@@ -630,6 +630,12 @@ run (docs/reliability.md, "A commit that never returned"). So a commit is asynch
 librdkafka, its answer served by polls; unanswered after this long, the caller goes on, and the
 member's later offsets are held for the commit after it is answered."""
 
+COMMIT_POLL_FIRST_S = 0.001
+COMMIT_POLL_MAX_S = 0.05
+"""A commit looks for its answer after 1 ms, then after twice as long each time, up to 50 ms: an
+answer takes a round trip to the coordinator (a commit took 6.5 ms median, synchronous, on this
+machine's broker)."""
+
 COMMIT_HELD_WARN_S = 60.0
 """While offsets are held behind a commit without an answer, a commit says so this often."""
 
@@ -902,7 +908,13 @@ class RdKafkaSubscription(KafkaGroupMember):
                 self._commit = None
                 raise BackendUnavailable(f"commit of {self.group} failed: {_error(e)}") from e
         deadline = time.monotonic() + COMMIT_WAIT_S
-        while not commit.answered:
+        pause = COMMIT_POLL_FIRST_S
+        while True:
+            # A poll that waits serves the answer and waits on regardless (to its timeout, for a
+            # message): polls that wait for nothing, looking again sooner at first.
+            await self._serve(0)
+            if commit.answered:
+                break
             if time.monotonic() >= deadline:
                 commit.abandoned = True
                 _log.warning(
@@ -912,7 +924,8 @@ class RdKafkaSubscription(KafkaGroupMember):
                     COMMIT_WAIT_S,
                 )
                 return
-            await self._serve(0.05)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, COMMIT_POLL_MAX_S)
         if commit.error is not None:
             raise BackendUnavailable(f"commit of {self.group} failed: {commit.error.name()}: {commit.error.str()}")
 
