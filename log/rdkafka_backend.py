@@ -816,9 +816,24 @@ class RdKafkaSubscription(KafkaGroupMember):
         self._early = []  # from partitions it has given up
         stuck, self._word = self._consumer, None
         self.join()  # the stuck consumer's callbacks are off from here on
-        self._commit = None  # the stuck consumer's, never to be answered
-        stuck.close()
+        unanswered, self._commit = self._commit is not None, None  # the stuck consumer's: never answered
+        self._close_consumer(stuck, unanswered)
         self.rejoins += 1
+
+    def _close_consumer(self, consumer: Any, unanswered: bool) -> None:
+        """Close ``consumer``; one with a commit ``unanswered`` in a thread of its own, not waited
+        for: librdkafka's close waits for that answer, which a broker that never answers never gives
+        (with the broker SIGSTOPped, such a close waited 30 s and more, one without 5 s)."""
+        if unanswered:
+            threading.Thread(target=consumer.close, name=f"close-{self.group}", daemon=True).start()
+        else:
+            consumer.close()
+
+    async def close(self) -> None:
+        if self._consumer is not None:
+            consumer, self._consumer = self._consumer, None
+            unanswered, self._commit = self._commit is not None, None
+            await asyncio.to_thread(self._close_consumer, consumer, unanswered)
 
     # Rebalance callbacks run inside consume, on the polling thread. The default (eager)
     # assignors revoke everything, then assign the new set.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any
 
 import pytest
@@ -36,6 +37,8 @@ class Answering:
         self.commits: list[dict[int, int]] = []  # partition -> offset, per commit asked
         self.answers: list[KafkaError | None] = []  # served by the next poll, in order
         self.messages: list[Message] = []
+        self.num_answered = 0
+        self.answered_late = threading.Event()
         self.closed = False
 
     def subscribe(self, topics: list[str], *, on_assign: Any, on_revoke: Any) -> None:
@@ -51,6 +54,7 @@ class Answering:
     def poll(self, timeout: float) -> Message | None:
         while self.answers:
             self.config["on_commit"](self.answers.pop(0), [])
+            self.num_answered += 1
         return self.messages.pop(0) if self.messages else None
 
     def consume(self, num_messages: int, timeout: float) -> list[Message]:
@@ -58,6 +62,9 @@ class Answering:
         return taken
 
     def close(self) -> None:
+        # As librdkafka's: it waits for the answer to a commit in flight (here: for ``answered_late``).
+        if len(self.commits) > self.num_answered:
+            self.answered_late.wait()
         self.closed = True
 
 
@@ -203,8 +210,8 @@ def test_a_member_that_joins_again_does_not_wait_for_its_old_consumers_commit(
 
     async def scenario() -> None:
         await subscription.commit({(TOPIC, 0): 5})  # unanswered
-        await asyncio.to_thread(subscription._rejoin)
-        assert stuck.closed
+        await asyncio.to_thread(subscription._rejoin)  # returns: its close would wait for the answer
+        assert subscription.rejoins == 1 and not stuck.closed
         fresh = subscription.backend.made[-1]  # type: ignore[attr-defined]
         subscription._assigned = frozenset({(TOPIC, 0)})  # its assignment
         wait(monkeypatch, 3600.0)
@@ -213,5 +220,29 @@ def test_a_member_that_joins_again_does_not_wait_for_its_old_consumers_commit(
         fresh.answer()
         await committing
         assert fresh.commits == [{0: 9}]
+        stuck.answered_late.set()
+        await until("the stuck consumer closed", lambda: stuck.closed)
+
+    asyncio.run(scenario())
+
+
+def test_a_member_closes_without_waiting_for_a_commit_without_an_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    wait(monkeypatch, 0.05)
+    subscription, consumer = member(0)
+    answered, other = member(0)
+
+    async def scenario() -> None:
+        await subscription.commit({(TOPIC, 0): 5})  # unanswered
+        await subscription.close()
+        assert subscription._consumer is None and not consumer.closed
+        consumer.answered_late.set()
+        await until("closed", lambda: consumer.closed)
+        wait(monkeypatch, 3600.0)
+        committing = asyncio.ensure_future(answered.commit({(TOPIC, 0): 3}))
+        await asked(other, 1)
+        other.answer()
+        await committing
+        await answered.close()  # nothing in flight: closed before close returns
+        assert other.closed
 
     asyncio.run(scenario())
