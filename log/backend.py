@@ -64,7 +64,12 @@ class Subscription(ABC):
 
     @abstractmethod
     async def commit(self, offsets: dict[tuple[str, int], int]) -> None:
-        """Store, per (topic, partition), the offset of the next record to read."""
+        """Store, per (topic, partition), the offset of the next record to read.
+
+        The offsets only say where a restarted member begins to read (every append is idempotent),
+        so a backend whose group cannot answer may return before they are stored, saying so, and
+        store them with a later commit (librdkafka: ``COMMIT_WAIT_S``): a caller waiting for good
+        would never poll again."""
 
     @abstractmethod
     def assignment(self) -> set[tuple[str, int]]:
