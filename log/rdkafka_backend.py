@@ -729,15 +729,12 @@ class RdKafkaSubscription(KafkaGroupMember):
         return membership_of(self._word, self._assigned_at, time.monotonic())
 
     async def refresh(self) -> None:
-        await self._serve(0)
-
-    async def _serve(self, timeout_s: float) -> None:
-        """A poll of up to ``timeout_s`` that serves what librdkafka queued (statistics, rebalances,
-        commit answers); it may take a message too, kept for the next poll, in order."""
+        # A poll that waits for nothing serves what librdkafka queued (statistics, rebalances,
+        # commit answers); it may take a message too, kept for the next poll, in order.
         async with self._polling:
             if self._consumer is None:
                 return  # closed
-            message = await asyncio.to_thread(self._consumer.poll, timeout_s)
+            message = await asyncio.to_thread(self._consumer.poll, 0)
             if message is not None:
                 self._early.append(message)
 
@@ -927,7 +924,7 @@ class RdKafkaSubscription(KafkaGroupMember):
         while True:
             # A poll that waits serves the answer and waits on regardless (to its timeout, for a
             # message): polls that wait for nothing, looking again sooner at first.
-            await self._serve(0)
+            await self.refresh()
             if commit.answered:
                 break
             if time.monotonic() >= deadline:
