@@ -41,41 +41,36 @@ class ChainVerifier:
         tail = self._tails.get((topic, session_id))
         return None if tail is None else ChainTail(*tail)
 
-    def check(self, topic: Topic, key: bytes | None, envelope: Envelope, position: Position) -> None:
-        """Raise an IntegrityError if ``envelope`` may not follow what was accepted so far."""
-        self._check(topic, key, envelope, position)
-
     def accept(self, topic: Topic, envelope: Envelope) -> None:
-        """Make ``envelope`` the new tail of its chain (call after ``check`` passed)."""
+        """Make ``envelope`` the new tail of its chain, unchecked (a seed the caller vouches for)."""
         self._tails[(topic.name, envelope.session_id)] = (envelope.seq, envelope.hash)
 
     def verify(self, topic: Topic, key: bytes | None, envelope: Envelope, position: Position) -> None:
-        """``check``, then ``accept``: what a consumer does with every record."""
-        chain = self._check(topic, key, envelope, position)
-        self._tails[chain] = (envelope.seq, envelope.hash)
-
-    def _check(self, topic: Topic, key: bytes | None, envelope: Envelope, position: Position) -> tuple[str, str]:
-        """``check``; returns the chain's key in ``_tails`` (so ``verify`` builds it once)."""
+        """Raise an IntegrityError if ``envelope`` may not follow what was accepted so far; else
+        make it the new tail of its chain. What a consumer does with every record, so in one frame."""
         session_id = envelope.session_id
         seq = envelope.seq
-        if not topic.allows_actor(envelope.actor):
-            raise ActorNotAllowed(
-                f"{position}: actor {envelope.actor!r} may not write {topic.name} (only {topic.owner!r} may)"
-            )
+        actor = envelope.actor
+        # The owner may always write its topic (no topic is owned by a read-only actor: Topic).
+        if actor != topic.owner and not topic.allows_actor(actor):
+            raise ActorNotAllowed(f"{position}: actor {actor!r} may not write {topic.name} (only {topic.owner!r} may)")
         if type(envelope.body) not in topic.body_types and not isinstance(envelope.body, topic.bodies):
             raise BodyNotAllowed(f"{position}: a {type(envelope.body).__name__} does not belong on {topic.name}")
         if key is not None and key != session_id.encode():
             raise KeyMismatch(f"{position}: key {key!r} is not the session id {session_id!r}")
         chain = (topic.name, session_id)
         tail = self._tails.get(chain)
-        expected_seq, expected_prev = (0, ZERO_HASH) if tail is None else (tail[0] + 1, tail[1])
-        if seq > expected_seq:
-            raise SeqGap(f"{position}: session {session_id} jumps to seq {seq}, expected {expected_seq}")
-        if seq < expected_seq:
+        if tail is None:
+            expected_seq, expected_prev = 0, ZERO_HASH
+        else:
+            expected_seq, expected_prev = tail[0] + 1, tail[1]
+        if seq != expected_seq:
+            if seq > expected_seq:
+                raise SeqGap(f"{position}: session {session_id} jumps to seq {seq}, expected {expected_seq}")
             raise SeqRepeat(f"{position}: session {session_id} repeats seq {seq}, expected {expected_seq}")
         if envelope.prev_hash != expected_prev:
             raise BrokenChain(
                 f"{position}: session {session_id} seq {seq} has prev_hash "
                 f"{envelope.prev_hash.hex()[:12]}..., expected {expected_prev.hex()[:12]}...; run logctl verify"
             )
-        return chain
+        self._tails[chain] = (seq, envelope.hash)

@@ -262,70 +262,107 @@ class EventConsumer:
         verify = self._verifier.verify
         reads = self.reads
         delivered: list[LoggedEvent] = []
+        deliver = delivered.append
         # Begin every partition new to us now, not at its first record: the backend is then sought
         # to where each begins before it fetches it (and a partition with nothing more to read
         # still gets its position).
         await self._begin_assigned(assigned)
-        # Backends hand out runs of records of one partition: look its topic up once per run.
+        # Backends hand out runs of records of one partition: its topic is looked up once per run.
+        # The next record of a run that needs nothing special takes the common path, which keeps
+        # the partition's position in locals (``expected``, ``run``) and writes it back before
+        # anything awaits (a commit() or position() meanwhile sees every step) and at the end.
         tp = ("", -1)  # the (topic, partition) of the current run; none yet
         topic = topic_table.AGENT_DLQ  # the Topic of the current run (set with the first record)
         started: _Started | None = None
         owned = False
+        common = False  # whether tp's next record may take the common path: owned, placed, not started
+        expected = -1  # tp's next offset on the common path
+        run = 0  # records the common path took since tp's position was last written back
         placing = self._placing  # usually empty (it holds partitions just assigned): no lookup then
-        for record in records:
-            position = record.position
-            name, partition, offset = position
-            if partition != tp[1] or name != tp[0]:
-                tp = (name, partition)
-                topic = topic_table.topic(name)
-                started = self._started.get(tp)
-                owned = tp in assigned
-            if not owned:
-                reads.dropped += 1  # fetched before the partition moved away: its owner reads it
-                continue
-            expected = self._next.get(tp)
-            if expected is None:
-                self._at_backend.discard(tp)
-                expected = self._next[tp] = 0  # its chains are rebuilt up to its first record's offset
-            if placing and tp in placing:
-                if offset != expected:
-                    reads.dropped += 1  # fetched from where the backend was: it is sought to ours below
+        try:
+            for record in records:
+                position = record.position
+                name, partition, offset = position
+                if common and offset == expected and partition == tp[1] and name == tp[0]:
+                    expected = offset + 1
+                    run += 1
+                    try:
+                        envelope = decode(record.value)
+                        verify(topic, record.key, envelope, position)
+                    except RecordError as error:
+                        self._advance(tp, expected, run)
+                        run = 0
+                        await self._set_aside(record, error)
+                        continue
+                    deliver(new_tuple(LoggedEvent, (position, envelope)))
                     continue
-                placing.discard(tp)  # it reads from our position
-            elif offset != expected:
-                if started is None:
-                    await self._rebuild_chains(tp, offset)
-                elif offset < expected:
-                    reads.dropped += 1  # before our start: the backend could not seek there
+                if run:
+                    self._advance(tp, expected, run)
+                    run = 0
+                if partition != tp[1] or name != tp[0]:
+                    tp = (name, partition)
+                    topic = topic_table.topic(name)
+                    started = self._started.get(tp)
+                    owned = tp in assigned
+                    common = False
+                if not owned:
+                    reads.dropped += 1  # fetched before the partition moved away: its owner reads it
                     continue
-                # (after a start, a gap is the backend's: compacted or aborted records)
-            # Kept per record, not per run: a concurrent commit() or position() sees each step.
-            self._next[tp] = self._uncommitted[tp] = offset + 1
-            if started is not None:
-                key = record.key or b""
-                seed = started.seeds.get(key)
-                if (offset < started.known_to and key not in started.sessions) or (
-                    seed is not None and offset < seed.offset
-                ):
-                    reads.skipped += 1  # a session the caller needs nothing of here, or holds already
-                    continue
-            reads.decoded += 1
-            try:
-                envelope = decode(record.value)
+                next_offset = self._next.get(tp)
+                if next_offset is None:
+                    self._at_backend.discard(tp)
+                    next_offset = self._next[tp] = 0  # its chains are rebuilt up to its first record's offset
+                if placing and tp in placing:
+                    if offset != next_offset:
+                        reads.dropped += 1  # fetched from where the backend was: it is sought to ours below
+                        continue
+                    placing.discard(tp)  # it reads from our position
+                elif offset != next_offset:
+                    if started is None:
+                        await self._rebuild_chains(tp, offset)
+                    elif offset < next_offset:
+                        reads.dropped += 1  # before our start: the backend could not seek there
+                        continue
+                    # (after a start, a gap is the backend's: compacted or aborted records)
+                self._next[tp] = self._uncommitted[tp] = expected = offset + 1
+                common = started is None
                 if started is not None:
-                    await self._late_verify(tp, topic, record.key, envelope, position, started)
-                else:
-                    verify(topic, record.key, envelope, position)
-            except RecordError as error:
-                await self.log.dead_letter(record, error, self.group)
-                self.stats.num_dead_lettered += 1
-                name = type(error).__name__
-                self.stats.dead_lettered_by_error[name] = self.stats.dead_lettered_by_error.get(name, 0) + 1
-                continue
-            delivered.append(new_tuple(LoggedEvent, (position, envelope)))
+                    key = record.key or b""
+                    seed = started.seeds.get(key)
+                    if (offset < started.known_to and key not in started.sessions) or (
+                        seed is not None and offset < seed.offset
+                    ):
+                        reads.skipped += 1  # a session the caller needs nothing of here, or holds already
+                        continue
+                reads.decoded += 1
+                try:
+                    envelope = decode(record.value)
+                    if started is not None:
+                        await self._late_verify(tp, topic, record.key, envelope, position, started)
+                    else:
+                        verify(topic, record.key, envelope, position)
+                except RecordError as error:
+                    await self._set_aside(record, error)
+                    continue
+                deliver(new_tuple(LoggedEvent, (position, envelope)))
+        finally:
+            if run:
+                self._advance(tp, expected, run)
         self._place()
         self.stats.num_delivered += len(delivered)
         return delivered
+
+    def _advance(self, tp: tuple[str, int], next_offset: int, decoded: int) -> None:
+        """Write back where ``poll``'s common path got to in ``tp``, after ``decoded`` records."""
+        self._next[tp] = self._uncommitted[tp] = next_offset
+        self.reads.decoded += decoded
+
+    async def _set_aside(self, record: RawRecord, error: RecordError) -> None:
+        """Dead-letter a record that failed its checks, and count it."""
+        await self.log.dead_letter(record, error, self.group)
+        self.stats.num_dead_lettered += 1
+        name = type(error).__name__
+        self.stats.dead_lettered_by_error[name] = self.stats.dead_lettered_by_error.get(name, 0) + 1
 
     def _place(self) -> None:
         """Seek the backend to our position in each partition it may be reading elsewhere (one

@@ -718,6 +718,7 @@ class RdKafkaSubscription(KafkaGroupMember):
         self._early: list[Any] = []  # messages a refresh took, handed out first by the next poll
         self._unsent: dict[tuple[str, int], int] = {}  # offsets to commit, held while a commit is unanswered
         self._commit: _Commit | None = None  # the commit asked last, until its answer (``_on_commit``)
+        self._names = {self.backend.physical(t): t for t in self.topics}  # a message's topic, as the log names it
 
     def assignment(self) -> set[tuple[str, int]]:
         return set(self._assigned)
@@ -868,8 +869,29 @@ class RdKafkaSubscription(KafkaGroupMember):
                 messages = [*early, *(await asyncio.to_thread(self._consumer.consume, more, 0) if more else [])]
             else:
                 messages = await asyncio.to_thread(_take, self._consumer, timeout_s, max_records)
+        names = self._names
+        try:
+            # One expression per message: a loop of statements cost a tenth of a microsecond a
+            # record more. A message with an error is passed over here and handled below.
+            records = [
+                new_tuple(
+                    RawRecord, (new_tuple(Position, (names[m.topic()], m.partition(), m.offset())), m.key(), m.value())
+                )
+                for m in messages
+                if m.error() is None
+            ]
+        except KeyError:  # a topic this member did not subscribe to: never seen
+            records = []
+        if len(records) != len(messages):
+            records = self._records_around_errors(messages)
+        # In offset order per partition, as librdkafka hands them out; partitions come in runs
+        # of a fetched batch each, which is all the contract asks (a sort cost 0.3 us a record).
+        return records
+
+    def _records_around_errors(self, messages: list[Any]) -> list[RawRecord]:
+        """``poll``'s records of messages some of which carry an error: a fatal one raises, any
+        other is logged and skipped."""
         logical = self.backend.logical
-        names: dict[str, str] = {}
         records: list[RawRecord] = []
         for m in messages:
             if (err := m.error()) is not None:
@@ -877,12 +899,8 @@ class RdKafkaSubscription(KafkaGroupMember):
                     raise BackendUnavailable(f"consumer of {self.group} failed: {err.name()}: {err.str()}")
                 _log.warning("consumer of %s: %s: %s", self.group, err.name(), err.str())
                 continue
-            physical = m.topic()
-            topic = names.get(physical) or names.setdefault(physical, logical(physical))
-            position = new_tuple(Position, (topic, m.partition(), m.offset()))
+            position = new_tuple(Position, (logical(m.topic()), m.partition(), m.offset()))
             records.append(new_tuple(RawRecord, (position, m.key(), m.value())))
-        # In offset order per partition, as librdkafka hands them out; partitions come in runs
-        # of a fetched batch each, which is all the contract asks (a sort cost 0.3 us a record).
         return records
 
     async def commit(self, offsets: dict[tuple[str, int], int]) -> None:

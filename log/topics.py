@@ -33,6 +33,8 @@ class Topic:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "body_types", frozenset(self.bodies))
+        if self.owner in READ_ONLY_ACTORS:  # ChainVerifier lets a topic's owner write it unasked
+            raise ValueError(f"topic {self.name} cannot be owned by {self.owner!r}, which writes nothing")
 
     def allows_actor(self, actor: str) -> bool:
         if actor in READ_ONLY_ACTORS:

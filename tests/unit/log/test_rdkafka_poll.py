@@ -60,6 +60,21 @@ def test_a_transient_error_is_logged_and_the_poll_goes_on() -> None:
     assert asyncio.run(member(ErrorEvent(down)).poll(0.1, 10)) == []
 
 
+def test_records_around_a_transient_error_are_handed_out_in_order_under_their_logical_topic() -> None:
+    down = KafkaError(KafkaError._TRANSPORT, "broker down")
+    subscription = RdKafkaSubscription(
+        RdKafkaBackend("127.0.0.1:1", namespace="ns"), "decider", ["agent.actions"], from_beginning=True
+    )
+    for events in (
+        [Message("ns.agent.actions", 0, 5), Message("ns.agent.actions", 1, 7)],  # no error: the common path
+        [Message("ns.agent.actions", 0, 5), ErrorEvent(down), Message("ns.agent.actions", 1, 7)],
+    ):
+        subscription._consumer = Consumer(*events)
+        records = asyncio.run(subscription.poll(0.1, 10))
+        assert [r.position for r in records] == [("agent.actions", 0, 5), ("agent.actions", 1, 7)]
+        assert [r.value for r in records] == [b"ns.agent.actions[0]@5", b"ns.agent.actions[1]@7"]
+
+
 class Made(Consumer):
     """A consumer as ``join`` makes it: its settings (the statistics callback among them), its
     rebalance callbacks, whether it was closed."""

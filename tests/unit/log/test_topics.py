@@ -30,6 +30,12 @@ def test_owners_match_the_design() -> None:
     }
 
 
+def test_a_topic_cannot_be_owned_by_a_read_only_actor() -> None:
+    # ChainVerifier.verify lets a record of the topic's owner pass without asking allows_actor.
+    with pytest.raises(ValueError, match="writes nothing"):
+        topics.Topic("x", "auditor", (events.SessionStarted,))
+
+
 def test_unknown_topic_names_the_known_ones() -> None:
     with pytest.raises(UnknownTopic, match="agent.actions"):
         topics.topic("agent.action")
