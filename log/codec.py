@@ -67,7 +67,7 @@ from typing import Any
 from fastavro import schemaless_reader, schemaless_writer
 from fastavro.read import SchemaResolutionError
 from fastavro.schema import parse_schema
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from log import native
 from log.body_reader import BodyReader
@@ -75,6 +75,7 @@ from log.body_writer import BodyWriter, Unusual, varint
 from log.errors import BadMagic, HashMismatch, SchemaMismatch, TruncatedRecord, UnknownFingerprint
 from log.head_reader import EPOCH as _EPOCH
 from log.head_reader import HASH_PREFIX, HASH_TAIL_LEN, HEAD_START, Head, read_long
+from log.head_reader import construct as _build
 from schemas import registry
 from schemas.envelope import Envelope
 from schemas.events import EVENT_TYPES, Model
@@ -204,14 +205,6 @@ def _standalone(schema: Any, names: dict[str, Any], defined: set[str]) -> Any:
 
 _M = typing.TypeVar("_M", bound=Model)
 
-# The setters of the four slots every pydantic model instance has, called directly: faster
-# than ``object.__setattr__`` by name (about 0.25 us a model, two models a record).
-_new_instance = object.__new__
-_set_dict = BaseModel.__dict__["__dict__"].__set__
-_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
-_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
-_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
-
 
 def _construct(model: type[_M], values: dict[str, Any]) -> _M:
     """What ``model.model_construct(**values)`` returns when ``values`` holds every field in order.
@@ -224,17 +217,19 @@ def _construct(model: type[_M], values: dict[str, Any]) -> _M:
     Every instance of a model shares one set of its field names as its fields set: our
     models are frozen, so pydantic never adds to it (and the names are all in it already),
     and ``model_copy`` copies it before changing it. Two fewer objects to make and free per
-    record.
+    record. (``log.head_reader.construct`` builds it; the decode of nearly every record does
+    so inside ``read_envelope``.)
     """
-    instance = _new_instance(model)
-    _set_dict(instance, values)
+    built: _M = _build(model, values, _fields_set(model))
+    return built
+
+
+def _fields_set(model: type[Model]) -> set[str]:
+    """The one set of ``model``'s field names its constructed instances share (``_construct``)."""
     fields_set = _FIELDS_SET.get(model)
     if fields_set is None:
         fields_set = _FIELDS_SET[model] = set(model.model_fields)
-    _set_fields_set(instance, fields_set)
-    _set_extra(instance, None)
-    _set_private(instance, None)
-    return instance
+    return fields_set
 
 
 _FIELDS_SET: dict[type[Model], set[str]] = {}
@@ -382,7 +377,7 @@ class Codec:
         readers = native.module("body_reader", compiled=compiled)
         head_reader = native.module("head_reader", compiled=compiled)
         self._read_head = head_reader.read_head
-        self._read_record = head_reader.read_record
+        self._read_envelope = head_reader.read_envelope
         writers = native.module("body_writer", compiled=compiled)
         self._write_head = writers.write_head
         self._unusual_value = (writers.Unusual, KeyError, UnicodeEncodeError)  # the writer's own Unusual
@@ -398,7 +393,8 @@ class Codec:
         self._body_of: dict[type[Model], _BodyType] = {b.model: b for b in self._bodies}
         # What read_record reads a body with: the bodies it may build as read, and no others.
         self._as_read = [b.read if b.construct else None for b in self._bodies]
-        self._models = [b.model for b in self._bodies]
+        self._built = [(b.model, _fields_set(b.model)) for b in self._bodies]
+        self._envelope_built = (Envelope, _fields_set(Envelope))
 
     # ------------------------------------------------------------------ encode
 
@@ -451,14 +447,14 @@ class Codec:
 
     def decode(self, data: bytes) -> Envelope:
         """Decode and self-verify one record, or raise a DecodeError / HashMismatch."""
-        if type(data) is bytes and (record := self._read_record(data, self._header, self._as_read)) is not None:
-            # Nearly every record: one call reads and checks it all (log.head_reader.read_record);
+        if (
+            type(data) is bytes
+            and (envelope := self._read_envelope(data, self._header, self._as_read, self._built, self._envelope_built))
+            is not None
+        ):
+            # Nearly every record: one call reads, checks and builds it all (log.head_reader);
             # what that leaves, from a forged length to an old release, is read step by step below.
-            event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, branch, values, stored_hash = record
-            body = _construct(self._models[branch], values)
-            return _typed_envelope(
-                event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, body, stored_hash
-            )
+            return envelope  # type: ignore[no-any-return]
         if len(data) < HEADER_LEN:
             if data[: len(MAGIC)] != MAGIC[: len(data)]:
                 raise BadMagic(f"record starts with {data[:2].hex() or 'nothing'}, not c301 (Avro single-object)")

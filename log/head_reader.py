@@ -11,8 +11,13 @@ occurred_at, causation_id, prev_hash) and the body's union branch of a record wr
 the current schema, or returns None for anything unusual, which ``log.codec`` then reads
 field by field as fastavro does. ``read_long`` is Avro's varint as fastavro reads it.
 
-Pure bytes-to-values code with no imports of the project, so that ``scripts/compile_native.py``
-can compile it with mypyc (``log.native``); it runs as it is where that was not built.
+``read_envelope`` is ``read_record`` with the body and the envelope built as the pydantic
+models they are (``construct``), for ``log.codec``'s decode: building them here, compiled,
+costs about a third of a microsecond a record less than in ``log.codec``.
+
+Bytes-to-values code with no imports of the project (pydantic's ``BaseModel`` only), so that
+``scripts/compile_native.py`` can compile it with mypyc (``log.native``); it runs as it is
+where that was not built.
 """
 
 from __future__ import annotations
@@ -21,7 +26,19 @@ import hashlib
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-__all__ = ["HEAD_START", "Head", "Record", "read_head", "read_long", "read_record"]
+from pydantic import BaseModel
+
+__all__ = [
+    "HEAD_START",
+    "Built",
+    "Head",
+    "Record",
+    "construct",
+    "read_envelope",
+    "read_head",
+    "read_long",
+    "read_record",
+]
 
 HEAD_START = 10
 """Where the head begins: after the 2 magic bytes and the 8-byte fingerprint (``log.codec.HEADER_LEN``)."""
@@ -171,3 +188,56 @@ def read_record(data: bytes, header: bytes, readers: list[Any]) -> Record | None
     if hashlib.sha256(data[HEAD_START:pos]).digest() != stored_hash:
         return None
     return event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, branch, values, stored_hash
+
+
+# The setters of the four slots every pydantic model instance has, called directly: faster
+# than ``object.__setattr__`` by name.
+_new_instance = object.__new__
+_set_dict = BaseModel.__dict__["__dict__"].__set__
+_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
+_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
+_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
+
+Built = tuple[Any, set[str]]
+"""A model ``construct`` builds, and the set of its field names its instances share."""
+
+
+def construct(model: Any, values: dict[str, Any], fields_set: set[str]) -> Any:
+    """What ``model.model_construct(**values)`` returns when ``values`` holds every field in
+    order, and ``fields_set`` is the set of the model's field names (``log.codec._construct``
+    says when a model may be built so)."""
+    instance = _new_instance(model)
+    _set_dict(instance, values)
+    _set_fields_set(instance, fields_set)
+    _set_extra(instance, None)
+    _set_private(instance, None)
+    return instance
+
+
+def read_envelope(data: bytes, header: bytes, readers: list[Any], bodies: list[Built], envelope: Built) -> Any:
+    """``read_record``'s record as the envelope model it is, or None where that returns None.
+
+    ``bodies``: per body branch, its model (those ``readers`` read are built as read);
+    ``envelope``: the envelope's model, whose fields are the record's in order."""
+    record = read_record(data, header, readers)
+    if record is None:
+        return None
+    event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, branch, values, stored_hash = record
+    model, fields_set = bodies[branch]
+    body = construct(model, values, fields_set)
+    envelope_model, envelope_fields = envelope
+    return construct(
+        envelope_model,
+        {
+            "event_id": event_id,
+            "session_id": session_id,
+            "seq": seq,
+            "actor": actor,
+            "occurred_at": occurred_at,
+            "causation_id": causation_id,
+            "prev_hash": prev_hash,
+            "body": body,
+            "hash": stored_hash,
+        },
+        envelope_fields,
+    )

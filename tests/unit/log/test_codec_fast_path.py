@@ -206,7 +206,7 @@ def test_flat_bodies_are_read_without_fastavro(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_a_usual_record_is_read_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """log.head_reader.read_record reads a record whose body is built as read; if it stopped
+    """log.head_reader.read_envelope reads a record whose body is built as read; if it stopped
     applying, decoding would still be right but slower, and no other test would notice."""
     as_read = [model for model in events.EVENT_TYPES if CODEC._body_of[model].construct]
     assert len(as_read) >= len(events.EVENT_TYPES) - 6
@@ -223,7 +223,7 @@ def test_a_usual_record_is_read_in_one_call(monkeypatch: pytest.MonkeyPatch) -> 
 def test_an_altered_record_is_refused_by_the_step_by_step_reading() -> None:
     record, _ = CODEC.encode(**fields_of(events.SessionStarted(program="pay 10", args_json="{}")))
     altered = record.replace(b"pay 10", b"pay 99")
-    assert CODEC._read_record(altered, CODEC._header, CODEC._as_read) is None
+    assert CODEC._read_envelope(altered, CODEC._header, CODEC._as_read, CODEC._built, CODEC._envelope_built) is None
     with pytest.raises(HashMismatch, match="does not match its own hash"):
         CODEC.decode(altered)
 

@@ -11,6 +11,7 @@ import pytest
 from log import body_reader, head_reader, native
 from log.codec import Codec
 from schemas import events
+from schemas.envelope import Envelope
 from tests.unit.log.test_codec_fast_path import SAMPLES, VARINT_EDGES, fields_of, shape
 
 pytestmark = pytest.mark.unit
@@ -92,9 +93,17 @@ def test_compiled_and_interpreted_record_readers_read_alike(body: object) -> Non
     record, _ = COMPILED.encode(**fields_of(body))  # type: ignore[arg-type]
     tampered = record[:-1] + bytes([record[-1] ^ 1])
     for data in (record, tampered, record[:-5], b"\x00" + record[1:]):
-        results = [c._read_record(data, c._header, c._as_read) for c in (COMPILED, INTERPRETED)]
+        results = [read_envelope(c, data) for c in (COMPILED, INTERPRETED)]
         assert results[0] == results[1]
-    assert COMPILED._read_record(tampered, COMPILED._header, COMPILED._as_read) is None
+        if results[0] is not None:  # built alike too: as the model, sharing its fields set
+            assert [type(r.body) for r in results] == [type(body)] * 2
+            assert results[0].__pydantic_fields_set__ is results[1].__pydantic_fields_set__
+    assert read_envelope(COMPILED, record) in (None, INTERPRETED.decode(record))  # None: read step by step
+    assert read_envelope(COMPILED, tampered) is None
+
+
+def read_envelope(codec: Codec, data: bytes) -> Envelope | None:
+    return codec._read_envelope(data, codec._header, codec._as_read, codec._built, codec._envelope_built)  # type: ignore[no-any-return]
 
 
 COMPILED = Codec(compiled=True)
