@@ -281,14 +281,14 @@ class EventConsumer:
         placing = self._placing  # usually empty (it holds partitions just assigned): no lookup then
         try:
             for record in records:
-                position = record.position
+                position, key, value = record
                 name, partition, offset = position
                 if common and offset == expected and partition == tp[1] and name == tp[0]:
                     expected = offset + 1
                     run += 1
                     try:
-                        envelope = decode(record.value)
-                        verify(topic, record.key, envelope, position)
+                        envelope = decode(value)
+                        verify(topic, key, envelope, position)
                     except RecordError as error:
                         self._advance(tp, expected, run)
                         run = 0
@@ -327,20 +327,20 @@ class EventConsumer:
                 self._next[tp] = self._uncommitted[tp] = expected = offset + 1
                 common = started is None
                 if started is not None:
-                    key = record.key or b""
-                    seed = started.seeds.get(key)
-                    if (offset < started.known_to and key not in started.sessions) or (
+                    session = key or b""
+                    seed = started.seeds.get(session)
+                    if (offset < started.known_to and session not in started.sessions) or (
                         seed is not None and offset < seed.offset
                     ):
                         reads.skipped += 1  # a session the caller needs nothing of here, or holds already
                         continue
                 reads.decoded += 1
                 try:
-                    envelope = decode(record.value)
+                    envelope = decode(value)
                     if started is not None:
-                        await self._late_verify(tp, topic, record.key, envelope, position, started)
+                        await self._late_verify(tp, topic, key, envelope, position, started)
                     else:
-                        verify(topic, record.key, envelope, position)
+                        verify(topic, key, envelope, position)
                 except RecordError as error:
                     await self._set_aside(record, error)
                     continue
