@@ -74,7 +74,7 @@ from log.body_reader import BodyReader
 from log.body_writer import BodyWriter, Unusual, varint
 from log.errors import BadMagic, HashMismatch, SchemaMismatch, TruncatedRecord, UnknownFingerprint
 from log.head_reader import EPOCH as _EPOCH
-from log.head_reader import HASH_PREFIX, HASH_TAIL_LEN, HEAD_START, Head, read_long
+from log.head_reader import HASH_PREFIX, HASH_TAIL_LEN, HEAD_START, Head, build_envelope, read_long
 from log.head_reader import construct as _build
 from schemas import registry
 from schemas.envelope import Envelope
@@ -234,35 +234,6 @@ def _fields_set(model: type[Model]) -> set[str]:
 
 _FIELDS_SET: dict[type[Model], set[str]] = {}
 """Each constructed model's field names (``_construct``)."""
-
-
-def _typed_envelope(
-    event_id: str,
-    session_id: str,
-    seq: int,
-    actor: str,
-    occurred_at: datetime,
-    causation_id: str | None,
-    prev_hash: bytes,
-    body: Model,
-    stored_hash: bytes,
-) -> Envelope:
-    """The envelope of fields the decoder has just read and typed itself: built without a
-    second validation (``_construct``)."""
-    return _construct(
-        Envelope,
-        {
-            "event_id": event_id,
-            "session_id": session_id,
-            "seq": seq,
-            "actor": actor,
-            "occurred_at": occurred_at,
-            "causation_id": causation_id,
-            "prev_hash": prev_hash,
-            "body": body,
-            "hash": stored_hash,
-        },
-    )
 
 
 def _plain(model: type[Model]) -> bool:
@@ -552,9 +523,19 @@ class Codec:
                 body = body_type.model.model_validate(values)
             except ValidationError as e:
                 raise SchemaMismatch(f"{body_type.name} body does not match its model: {e}") from e
-        return _typed_envelope(
-            event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, body, stored_hash
+        envelope: Envelope = build_envelope(
+            self._envelope_built,
+            event_id,
+            session_id,
+            seq,
+            actor,
+            occurred_at,
+            causation_id,
+            prev_hash,
+            body,
+            stored_hash,
         )
+        return envelope
 
     @staticmethod
     def _envelope(raw: dict[str, Any]) -> Envelope:

@@ -33,6 +33,7 @@ __all__ = [
     "Built",
     "Head",
     "Record",
+    "build_envelope",
     "construct",
     "read_envelope",
     "read_head",
@@ -225,9 +226,27 @@ def read_envelope(data: bytes, header: bytes, readers: list[Any], bodies: list[B
     event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, branch, values, stored_hash = record
     model, fields_set = bodies[branch]
     body = construct(model, values, fields_set)
-    envelope_model, envelope_fields = envelope
+    return build_envelope(
+        envelope, event_id, session_id, seq, actor, occurred_at, causation_id, prev_hash, body, stored_hash
+    )
+
+
+def build_envelope(
+    envelope: Built,
+    event_id: str,
+    session_id: str,
+    seq: int,
+    actor: str,
+    occurred_at: datetime,
+    causation_id: str | None,
+    prev_hash: bytes,
+    body: Any,
+    stored_hash: bytes,
+) -> Any:
+    """The envelope model ``envelope`` of fields a decoder has read and typed itself (``construct``)."""
+    model, fields_set = envelope
     return construct(
-        envelope_model,
+        model,
         {
             "event_id": event_id,
             "session_id": session_id,
@@ -239,5 +258,5 @@ def read_envelope(data: bytes, header: bytes, readers: list[Any], bodies: list[B
             "body": body,
             "hash": stored_hash,
         },
-        envelope_fields,
+        fields_set,
     )
