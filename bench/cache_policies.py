@@ -3,12 +3,18 @@
 Run::
 
     python -m bench.cache_policies [--quick] [--engine batch|serial] [--csv FILE] [--png FILE]
-                                   [--txt FILE] [--md FILE] [--seed S] [--workloads a,b]
+                                   [--txt FILE] [--md FILE] [--seeds 0,1,2] [--workloads a,b]
                                    [--policies a,b] [--from-csv FILE] [--traces-dir DIR]
-                                   [--loads 0.5,0.8] [--capacities 0.25,0.5,0.75,1]
+                                   [--loads 0.5,0.8] [--capacities 0.25,0.5,0.75,1] [--jobs N]
 
 (``--quick``: fewer sessions per workload, about 3 minutes on one core.) Results and
 the honest comparison: ``docs/cache-policies.md``.
+
+``--seeds``: each seed builds each workload anew (the synthetic sessions, every workload's
+arrivals), and a cell's row pools the sessions of every seed's run (``pooled``): a p95 over
+one seed's 200 synthetic sessions is its 10th-slowest session, which one long program moves by
+more than the 1% the issue-16 goal allows (even the oracle's). ``--jobs``: that many processes
+run the (workload, seed, load) units; simulated time is exact, so the rows do not change.
 
 What runs
 ---------
@@ -148,6 +154,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import multiprocessing
 import random
 import sys
 import time
@@ -335,6 +342,7 @@ class Row:
     preemptions: int = 0
     mean_batch: float = 1.0  # running calls, averaged over the time the engine computes
     prefetches: int = 0  # host residents brought back before their call (ours only)
+    seeds: str = "0"  # the seeds whose sessions the row pools (``pooled``)
 
 
 ENGINES = ("batch", "serial")
@@ -390,34 +398,97 @@ def engine_s_per_session(trace: Trace, cost: CostModel, engine: str) -> float:
 
 def sweep(
     quick: bool,
-    seed: int,
+    seeds: tuple[int, ...],
     policies: tuple[str, ...],
     loads: tuple[float, ...] = LOADS,
     only: str | None = None,
     engine: str = "batch",
     traces_dir: Path = TRACES_DIR,
     capacities: tuple[float, ...] = CAPACITIES,
+    jobs: int = 1,
 ) -> list[Row]:
-    cost = CostModel()
+    """One row per (workload, load, capacity, policy): the sessions of every seed's trace pooled
+    (``pooled``). Each (workload, seed, load) is one ``_unit``, run by ``jobs`` processes."""
+    names = [w.name for w in workloads(quick, seeds[0], traces_dir) if only is None or w.name in only.split(",")]
+    units = [(quick, seed, name, load, policies, engine, traces_dir, capacities) for name in names for load in loads
+             for seed in seeds]  # fmt: skip
+    if jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            results = pool.starmap(_unit, units, chunksize=1)
+    else:
+        results = [_unit(*unit) for unit in units]
     rows: list[Row] = []
-    for w in workloads(quick, seed, traces_dir):
-        if only is not None and w.name not in only.split(","):
-            continue
-        per_session = engine_s_per_session(w.build(1.0), cost, engine)
-        for load in loads:
-            rate = load / per_session
-            trace = w.build(rate)
-            total = sum(-(-s.final_context_tokens // cost.block_size) for s in trace) + 1
-            probe = run_one(trace, "vllm", total, cost, engine)
-            peak = probe.peak_live_blocks
-            floor = floor_jct(trace, cost)
-            for fraction in capacities:
-                blocks = max(round(fraction * peak), probe.max_call_blocks + 1)
-                for policy in policies:
-                    m = run_one(trace, policy, blocks, cost, engine)
-                    rows.append(row(w.name, load, rate, fraction, blocks, peak, policy, m, cost, floor))
-            print(f"  {w.name} load {load:g}: {len(trace)} sessions, peak {peak} blocks", file=sys.stderr)
+    for at in range(0, len(results), len(seeds)):  # one seed after another per (workload, load)
+        per_seed = results[at : at + len(seeds)]
+        (_, _, name, load, *_) = units[at]
+        for i, (capacity, policy) in enumerate((c, p) for c in capacities for p in policies):
+            rows.append(pooled(name, load, capacity, policy, [r[i] for r in per_seed], seeds))
     return rows
+
+
+RunResult = tuple[float, int, int, float, Metrics]
+"""One run of a ``_unit``: the arrival rate, the GPU blocks, the peak blocks, the floor and the metrics."""
+
+
+def _unit(
+    quick: bool,
+    seed: int,
+    name: str,
+    load: float,
+    policies: tuple[str, ...],
+    engine: str,
+    traces_dir: Path,
+    capacities: tuple[float, ...],
+) -> list[RunResult]:
+    """Every (capacity, policy) of one workload's trace for ``seed`` at ``load``, in that order."""
+    cost = CostModel()
+    (w,) = [w for w in workloads(quick, seed, traces_dir) if w.name == name]
+    per_session = engine_s_per_session(w.build(1.0), cost, engine)
+    rate = load / per_session
+    trace = w.build(rate)
+    total = sum(-(-s.final_context_tokens // cost.block_size) for s in trace) + 1
+    probe = run_one(trace, "vllm", total, cost, engine)
+    peak = probe.peak_live_blocks
+    floor = floor_jct(trace, cost)
+    out: list[RunResult] = []
+    for fraction in capacities:
+        blocks = max(round(fraction * peak), probe.max_call_blocks + 1)
+        for policy in policies:
+            out.append((rate, blocks, peak, floor, run_one(trace, policy, blocks, cost, engine)))
+    print(f"  {name} seed {seed} load {load:g}: {len(trace)} sessions, peak {peak} blocks", file=sys.stderr)
+    return out
+
+
+def pooled(
+    workload: str, load: float, capacity: float, policy: str, runs: list[RunResult], seeds: tuple[int, ...]
+) -> Row:
+    """One row of the runs of one cell on every seed: their sessions pooled (job times, tokens,
+    transfers added up; the floor, rate and block counts averaged over the seeds, weighted by sessions
+    for the floor). A p95 over 200 sessions is the 10th-slowest session, which one long program moves
+    by several percent (docs/benchmarks.md#program-level-scheduling): seeds pooled, it is the 30th of 600."""
+    cost = CostModel()
+    m = Metrics()
+    floor = 0.0
+    for _, _, _, run_floor, run in runs:
+        m.jct.extend(run.jct)
+        floor += run_floor * len(run.jct)
+        for name in ("prompt_tokens", "computed_tokens", "swapped_in_blocks", "swapped_out_blocks", "idle_block_s",
+                     "transfer_s", "forced", "preemptions", "batch_s", "busy_s", "prefetches"):  # fmt: skip
+            setattr(m, name, getattr(m, name) + getattr(run, name))
+    if len(runs) == 1:  # one seed: its own numbers, exactly
+        rate, blocks, peak, floor, _ = runs[0]
+    else:
+        n = len(runs)
+        rate, blocks, peak = (
+            sum(r[0] for r in runs) / n,
+            round(sum(r[1] for r in runs) / n),
+            round(sum(r[2] for r in runs) / n),
+        )
+        floor /= len(m.jct)
+    return replace(
+        row(workload, load, rate, capacity, blocks, peak, policy, m, cost, floor),
+        seeds=",".join(map(str, seeds)),
+    )
 
 
 def print_tables(rows: list[Row], out: TextIO | None = None) -> None:
@@ -727,10 +798,27 @@ def _fractions(text: str) -> tuple[float, ...]:
     return values
 
 
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"a seed twice: {text!r}")
+    return seeds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sessions (about 2 minutes)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds",
+        type=_seeds,
+        default=(0,),
+        help="comma-separated seeds: each cell pools the sessions of every seed's workload (default 0)",
+    )
+    parser.add_argument("--seed", type=int, help="one seed (the same as --seeds S)")
+    parser.add_argument("--jobs", type=int, default=1, help="processes running the sweep (default 1)")
     parser.add_argument("--csv", type=Path, help="write every row to this CSV file")
     parser.add_argument("--png", type=Path, help="plot mean JCT vs memory pressure (needs matplotlib)")
     parser.add_argument("--txt", type=Path, help="also write the tables to this file")
@@ -767,13 +855,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = sweep(
             args.quick,
-            args.seed,
+            (args.seed,) if args.seed is not None else args.seeds,
             policies,
             loads=args.loads,
             only=args.workloads,
             engine=args.engine,
             traces_dir=args.traces_dir,
             capacities=args.capacities,
+            jobs=args.jobs,
         )
     print_tables(rows)
     if args.txt:

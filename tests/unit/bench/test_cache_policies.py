@@ -15,13 +15,16 @@ from bench.cache_policies import (
     cap_context,
     engine_s_per_session,
     floor_jct,
+    main,
     make_manager,
+    pooled,
     print_goals,
     print_plas_goals,
     print_tables,
     read_csv,
     replicate,
     respace,
+    row,
     run_one,
     service_s,
     write_csv,
@@ -197,11 +200,14 @@ def test_csv_round_trip_and_the_per_cell_goals_table(tmp_path) -> None:  # type:
     rows = [replace(r, preemptions=i, mean_batch=2.5, prefetches=7 * i) for i, r in enumerate(_rows())]
     write_csv(rows, tmp_path / "out.csv")
     assert read_csv(tmp_path / "out.csv") == rows
-    # An older file without the batch engine's and the prefetch columns reads with their defaults.
+    # An older file without the batch engine's, the prefetch and the seeds columns reads with their defaults.
     old = tmp_path / "old.csv"
     lines = (tmp_path / "out.csv").read_text().splitlines()
-    old.write_text("\n".join(",".join(line.split(",")[:-3]) for line in lines) + "\n")
+    old.write_text("\n".join(",".join(line.split(",")[:-4]) for line in lines) + "\n")
     assert read_csv(old) == [replace(r, preemptions=0, mean_batch=1.0, prefetches=0) for r in rows]
+    pooled_rows = [replace(r, seeds="0,1,2") for r in rows]  # a comma inside a column: quoted
+    write_csv(pooled_rows, tmp_path / "seeds.csv")
+    assert read_csv(tmp_path / "seeds.csv") == pooled_rows
     write_markdown(rows, tmp_path / "t.md")
     text = (tmp_path / "t.md").read_text()
     # ours 2.0 s, best baseline kvflow 2.2 s, vllm 2.4 s, recomputed 6 vs the oracle's 5, 2 preemptions,
@@ -298,3 +304,34 @@ def test_the_plas_goal_counts_workloads_over_the_best_non_oracle_baseline(tmp_pa
         "| a | 0.8 | 50% | 1.92 | kvflow | 2.50 | 1.300x | 6.0 | kvflow | 6.0 | 1.000x | 2.40 | 2.500x |"
         in (tmp_path / "t.md").read_text()
     )
+
+
+# ------------------------------------------------------------------ seeds pooled
+
+
+def test_one_seed_is_its_own_row_and_seeds_pool_their_sessions() -> None:
+    cost = CostModel()
+    trace_a, trace_b = _trace(), synthetic(6, rng=random.Random(1), arrival_rate_per_s=0.5)
+    a = run_one(trace_a, "ours", gpu_blocks=40, cost=cost)
+    b = run_one(trace_b, "ours", gpu_blocks=4000, cost=cost)
+    floor_a, floor_b = floor_jct(trace_a, cost), floor_jct(trace_b, cost)
+    # one seed: exactly the row of its run
+    one = pooled("w", 0.8, 0.5, "ours", [(0.1, 40, 80, floor_a, a)], (3,))
+    assert one == replace(row("w", 0.8, 0.1, 0.5, 40, 80, "ours", a, cost, floor_a), seeds="3")
+    # two: every session of both, counts added up, the floor weighted by sessions
+    both = pooled("w", 0.8, 0.5, "ours", [(0.1, 40, 80, floor_a, a), (0.3, 60, 121, floor_b, b)], (0, 1))
+    jct = sorted(a.jct + b.jct)
+    assert both.seeds == "0,1" and both.rate == pytest.approx(0.2) and (both.gpu_blocks, both.peak_blocks) == (50, 100)
+    assert both.mean_jct == pytest.approx(sum(jct) / len(jct))
+    assert both.p95_jct == row("w", 0.8, 0.2, 0.5, 50, 100, "ours", replace(a, jct=jct), cost, 1.0).p95_jct
+    assert both.recomputed == a.computed_tokens + b.computed_tokens
+    assert both.hit_rate == pytest.approx(1 - both.recomputed / (a.prompt_tokens + b.prompt_tokens))
+    assert both.floor_jct == pytest.approx((floor_a * 4 + floor_b * 6) / 10)
+    assert both.mean_batch == pytest.approx((a.batch_s + b.batch_s) / (a.busy_s + b.busy_s))
+
+
+@pytest.mark.parametrize("seeds", ["0,x", "1,1", ""])
+def test_seeds_must_be_distinct_integers(seeds: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--seeds", seeds, "--workloads", "none"])
+    assert exit_.value.code == 2 and "--seeds" in capsys.readouterr().err
