@@ -4,7 +4,7 @@ Run::
 
     python -m bench.log_throughput [--events N] [--bootstrap HOST:PORT] [--partitions 4] [--json FILE]
                                    [--rounds K] [--secure-compare | --no-secure-compare]
-                                   [--clients python rdkafka]
+                                   [--clients python rdkafka] [--poll-records 2000]
 
 Without ``--bootstrap`` (and without ``KAFKA_BOOTSTRAP_SERVERS``) a local
 single-node broker is started for the run and stopped afterwards.
@@ -499,7 +499,13 @@ def raw_append(
 
 
 async def agentlog_consume(
-    cluster: Cluster, namespace: str, num_events: int, num_bytes: int, profiler: Profiler, client: str = "python"
+    cluster: Cluster,
+    namespace: str,
+    num_events: int,
+    num_bytes: int,
+    profiler: Profiler,
+    client: str = "python",
+    poll_records: int = POLL_RECORDS,
 ) -> Timing:
     """An EventConsumer on ``client`` in a new group, from the beginning, until ``num_events``
     verified events. The events are the records appended before, so their size is ``num_bytes``.
@@ -512,14 +518,16 @@ async def agentlog_consume(
         progress = Progress(num_events)
         with profiler.phase(f"agentlog_consume{_suffix(client)}"):
             while not progress.done:
-                events = await consumer.poll(timeout_s=1.0, max_records=POLL_RECORDS)
+                events = await consumer.poll(timeout_s=1.0, max_records=poll_records)
                 progress.add(len(events))
         if consumer.stats.num_dead_lettered:
             raise RuntimeError(f"{consumer.stats.num_dead_lettered} records were dead-lettered")
     return progress.timing(num_bytes)
 
 
-def raw_consume(cluster: Cluster, topic: str, group: str, num_events: int, profiler: Profiler) -> Timing:
+def raw_consume(
+    cluster: Cluster, topic: str, group: str, num_events: int, profiler: Profiler, poll_records: int = POLL_RECORDS
+) -> Timing:
     """A KafkaConsumer in a new group, from the beginning, until ``num_events`` raw records."""
     consumer = KafkaConsumer(
         bootstrap_servers=cluster.bootstrap,
@@ -535,7 +543,7 @@ def raw_consume(cluster: Cluster, topic: str, group: str, num_events: int, profi
         size = 0
         with profiler.phase("raw_consume"):
             while not progress.done:
-                batch = consumer.poll(timeout_ms=1000, max_records=POLL_RECORDS)
+                batch = consumer.poll(timeout_ms=1000, max_records=poll_records)
                 for messages in batch.values():
                     size += sum(len(m.value) for m in messages)  # touch every record, decode nothing
                     progress.add(len(messages))
@@ -605,6 +613,7 @@ def run_round(
     *,
     clients: Sequence[str] = ("python",),
     in_memory: bool = True,
+    poll_records: int = POLL_RECORDS,
 ) -> list[Phase]:
     """Every phase once on both sides (agentlog's once per client), in fresh namespaces
     (deleted afterwards).
@@ -622,9 +631,9 @@ def run_round(
         appended = [asyncio.run(agentlog_append(cluster, ns.agentlog(c), drafts, profiler, c)) for c in clients]
         records = appended[0][1]
         raw_add = raw_append(cluster.bootstrap, raw_topic, send_order(drafts, records), settings, profiler)
-        raw_read = raw_consume(cluster, raw_topic, physical_group(ns.raw), len(drafts), profiler)
+        raw_read = raw_consume(cluster, raw_topic, physical_group(ns.raw), len(drafts), profiler, poll_records)
         reads = [
-            asyncio.run(agentlog_consume(cluster, ns.agentlog(c), len(drafts), add.bytes, profiler, c))
+            asyncio.run(agentlog_consume(cluster, ns.agentlog(c), len(drafts), add.bytes, profiler, c, poll_records))
             for c, (add, _) in zip(clients, appended, strict=True)
         ]
         phases = [Phase(_label("append", c), add, raw_add) for c, (add, _) in zip(clients, appended, strict=True)]
@@ -738,7 +747,8 @@ def format_table(
         first += span
     lines = [
         f"N = {num_events:,} events on {TOPIC}, {partitions} partitions, {total / 1e6:.1f} MB of record values "
-        f"({total / num_events:.0f} B/event); MB = 10^6 B of values",
+        f"({total / num_events:.0f} B/event); MB = 10^6 B of values; "
+        f"consume polls of {info.get('poll_records', POLL_RECORDS):,} records on both sides",
         f"machine: {info['cores']} cores, Python {info['python']}, kafka-python {info['kafka_python']} "
         f"(CRC-32C: {info['crc32c']}), {info['platform']}",
         f"agentlog's record readers {info['readers']}; collector thresholds {info['gc_thresholds']} on both sides",
@@ -847,6 +857,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=DEFAULT_ROUNDS,
         help="measured plaintext rounds; the goal is decided on their median (default %(default)s)",
     )
+    parser.add_argument(
+        "--poll-records",
+        type=int,
+        default=POLL_RECORDS,
+        help="records a consume poll asks for, on both sides (default %(default)s; the workers poll 500)",
+    )
     parser.add_argument("--json", type=Path, help="also write the numbers to this file")
     parser.add_argument(
         "--clients",
@@ -879,6 +895,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--events must be positive")
     if args.rounds < 1:
         raise SystemExit("--rounds must be positive")
+    if args.poll_records < 1:
+        raise SystemExit("--poll-records must be positive")
     drafts = build_drafts(args.events)
     warmup = build_drafts(min(args.warmup, args.events), seed=1) if args.warmup > 0 else []
     compare = args.secure_compare if args.secure_compare is not None else given_address(args.bootstrap) is None
@@ -889,7 +907,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             for cluster in clusters:  # each broker is a JVM of its own, with its own JIT
                 print(f"warm-up round, {cluster.mode} ({len(warmup):,} events) ...", file=sys.stderr)
                 run_round(
-                    cluster, warmup, args.partitions, "warmup", Profiler(None), clients=args.clients, in_memory=False
+                    cluster,
+                    warmup,
+                    args.partitions,
+                    "warmup",
+                    Profiler(None),
+                    clients=args.clients,
+                    in_memory=False,
+                    poll_records=args.poll_records,
                 )
         rounds: list[list[Phase]] = []
         for i in range(args.rounds):
@@ -897,7 +922,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             profiler = Profiler(args.profile if i == 0 else None)  # the first round's profile only
             rounds.append(
                 run_round(
-                    clusters[0], drafts, args.partitions, f"run{i}", profiler, clients=args.clients, in_memory=i == 0
+                    clusters[0],
+                    drafts,
+                    args.partitions,
+                    f"run{i}",
+                    profiler,
+                    clients=args.clients,
+                    in_memory=i == 0,
+                    poll_records=args.poll_records,
                 )
             )
         phases = rounds[0]
@@ -905,10 +937,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"measured round, secure ({len(drafts):,} events) ...", file=sys.stderr)
             profiler = Profiler(None if args.profile is None else args.profile / "secure")
             secure_phases = run_round(
-                secure, drafts, args.partitions, "run", profiler, clients=args.clients, in_memory=False
+                secure,
+                drafts,
+                args.partitions,
+                "run",
+                profiler,
+                clients=args.clients,
+                in_memory=False,
+                poll_records=args.poll_records,
             )
     # Other processes share the machine (the ratios in one run are what compare): say how busy it was.
-    info = machine() | {"load_average": f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"}
+    info = machine() | {
+        "load_average": f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}",
+        "poll_records": args.poll_records,
+    }
     print(format_table(phases, args.events, args.partitions, info, secure_phases))
     print("\n".join(goal_lines(rounds)))
     if args.json is not None:
