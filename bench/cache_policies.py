@@ -811,13 +811,14 @@ def _seeds(text: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sessions (about 2 minutes)")
-    parser.add_argument(
+    seeds = parser.add_mutually_exclusive_group()
+    seeds.add_argument(
         "--seeds",
         type=_seeds,
         default=(0,),
         help="comma-separated seeds: each cell pools the sessions of every seed's workload (default 0)",
     )
-    parser.add_argument("--seed", type=int, help="one seed (the same as --seeds S)")
+    seeds.add_argument("--seed", type=int, help="one seed (the same as --seeds S)")
     parser.add_argument("--jobs", type=int, default=1, help="processes running the sweep (default 1)")
     parser.add_argument("--csv", type=Path, help="write every row to this CSV file")
     parser.add_argument("--png", type=Path, help="plot mean JCT vs memory pressure (needs matplotlib)")
@@ -845,6 +846,8 @@ def main(argv: list[str] | None = None) -> int:
         "--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES)
     )
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     policies = tuple(p for p in args.policies.split(",") if p)
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:

@@ -330,8 +330,17 @@ def test_one_seed_is_its_own_row_and_seeds_pool_their_sessions() -> None:
     assert both.mean_batch == pytest.approx((a.batch_s + b.batch_s) / (a.busy_s + b.busy_s))
 
 
-@pytest.mark.parametrize("seeds", ["0,x", "1,1", ""])
-def test_seeds_must_be_distinct_integers(seeds: str, capsys) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--seeds", "0,x"], "--seeds: not comma-separated integers"),
+        (["--seeds", "1,1"], "--seeds: a seed twice"),
+        (["--seeds", ""], "--seeds: not comma-separated integers"),
+        (["--seeds", "0,1", "--seed", "2"], "not allowed with argument"),
+        (["--jobs", "0"], "--jobs must be at least 1"),
+    ],
+)
+def test_seeds_must_be_distinct_integers_and_jobs_positive(args: list[str], error: str, capsys) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(SystemExit) as exit_:
-        main(["--seeds", seeds, "--workloads", "none"])
-    assert exit_.value.code == 2 and "--seeds" in capsys.readouterr().err
+        main([*args, "--workloads", "none"])
+    assert exit_.value.code == 2 and error in capsys.readouterr().err
