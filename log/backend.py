@@ -68,8 +68,8 @@ class Subscription(ABC):
 
         The offsets only say where a restarted member begins to read (every append is idempotent),
         so a backend whose group cannot answer may return before they are stored, saying so, and
-        store them with a later commit (librdkafka: ``COMMIT_WAIT_S``): a caller waiting for good
-        would never poll again."""
+        store them with a later commit (both Kafka clients: ``log.kafka_backend.COMMIT_WAIT_S``): a
+        caller waiting for good would never poll again."""
 
     @abstractmethod
     def assignment(self) -> set[tuple[str, int]]:

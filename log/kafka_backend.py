@@ -26,7 +26,7 @@ from kafka import KafkaConsumer, KafkaProducer
 from kafka import __version__ as kafka_python_version
 from kafka.admin import KafkaAdminClient
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from log import topics as topic_table
@@ -48,6 +48,11 @@ SCAN_GROUP = "agentlog-scan"
 client requires one, and librdkafka looks its coordinator up (FindCoordinator, which needs
 DESCRIBE on the group: ``log.acls`` grants it to every role), though a scanner never joins
 it or commits to it."""
+COMMIT_WAIT_S = 10.0
+"""How long a member's commit waits for the group's answer before its caller goes on, on both
+clients (``Subscription.commit``): a worker waiting in a commit does not poll, and a broker paused
+or gone answers no commit (kafka-python's own bound is its request timeout, 305 s, then an error;
+librdkafka has none: ``log.rdkafka_backend``). Unanswered, the offsets go with the next commit."""
 SESSION_TIMEOUT_MS = 6000
 """A group member that stops heartbeating loses its partitions after this (the broker's minimum)."""
 CONFIRMED_FOR_S = SESSION_TIMEOUT_MS / 3000
@@ -505,6 +510,7 @@ class KafkaSubscription(KafkaGroupMember, ConsumerRebalanceListener):  # type: i
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._writing = threading.Lock()
+        self._unsent: dict[tuple[str, int], int] = {}  # offsets of a commit that had no answer, for the next
 
     def join(self) -> None:
         # A new group with no committed offset starts at the beginning: an event log is read whole.
@@ -591,10 +597,27 @@ class KafkaSubscription(KafkaGroupMember, ConsumerRebalanceListener):  # type: i
         return records
 
     async def commit(self, offsets: dict[tuple[str, int], int]) -> None:
+        """Commit ``offsets`` (with those of a commit that had no answer before), waiting up to
+        ``COMMIT_WAIT_S``; unanswered by then, this returns with a warning and they go with the next
+        commit. Offsets of partitions no longer assigned are not committed: their new owner commits them."""
+        self._unsent.update(offsets)
+        assigned = self.assignment()
+        unsent, self._unsent = {tp: o for tp, o in self._unsent.items() if tp in assigned}, {}
+        if not unsent:
+            return
         payload = {
-            TopicPartition(self.backend.physical(t), p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()
+            TopicPartition(self.backend.physical(t), p): OffsetAndMetadata(o, "", -1) for (t, p), o in unsent.items()
         }
-        await asyncio.to_thread(self._consumer.commit, payload)
+        try:
+            await asyncio.to_thread(self._consumer.commit, payload, int(COMMIT_WAIT_S * 1000))
+        except KafkaTimeoutError:
+            self._unsent = unsent | self._unsent
+            _log.warning(
+                "consumer of %s: a commit had no answer in %.0f s (no group coordinator); polling goes on, "
+                "and its offsets go with the next commit",
+                self.group,
+                COMMIT_WAIT_S,
+            )
 
     def seek(self, topic: str, partition: int, offset: int) -> bool:
         # Called between polls (kafka-python's consumer is not thread-safe, and poll runs in a

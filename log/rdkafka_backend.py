@@ -48,6 +48,7 @@ from log.errors import BackendUnavailable
 from log.kafka_backend import (
     BOUNDED_DELIVERY_TIMEOUT_MS,
     BOUNDED_REQUEST_TIMEOUT_MS,
+    COMMIT_WAIT_S,
     CONFIRMED_FOR_S,
     SCAN_GROUP,
     SESSION_TIMEOUT_MS,
@@ -617,18 +618,16 @@ in a 1,000-session chaos run; docs/reliability.md)."""
 PROBE_EVERY_S = 10.0
 """How often a member without a coordinator asks a new client whether the cluster answers."""
 
-COMMIT_WAIT_S = 10.0
-"""How long a member's commit waits for the group's answer before its caller goes on (``commit``).
-
-librdkafka bounds no commit: it waits for a group coordinator, which a broker paused for 150 s
-held back for 150 s (measured), and which a consumer librdkafka left without brokers
-(``ORPHANED_AFTER_S``) never finds again. A synchronous commit also holds the consumer's handle:
-every other call into it, the poll among them, waits behind it (confluent-kafka serializes them).
-A worker waiting in such a commit never polls again, and its poll is where the member notices it
-was left without brokers and joins again: a planner stalled so, silently, in a 300-session chaos
-run (docs/reliability.md, "A commit that never returned"). So a commit is asynchronous in
-librdkafka, its answer served by polls; unanswered after this long, the caller goes on, and the
-member's later offsets are held for the commit after it is answered."""
+# COMMIT_WAIT_S (log.kafka_backend) on librdkafka: it bounds no commit: it waits for a group
+# coordinator, which a broker paused for 150 s held back for 150 s (measured), and which a consumer
+# librdkafka left without brokers (ORPHANED_AFTER_S) never finds again. A synchronous commit also
+# holds the consumer's handle: every other call into it, the poll among them, waits behind it
+# (confluent-kafka serializes them). A worker waiting in such a commit never polls again, and its
+# poll is where the member notices it was left without brokers and joins again: a planner stalled
+# so, silently, in a 300-session chaos run (docs/reliability.md, "A commit that never returned").
+# So a commit is asynchronous in librdkafka, its answer served by polls; unanswered after
+# COMMIT_WAIT_S, the caller goes on, and the member's later offsets are held for the commit after
+# it is answered.
 
 COMMIT_POLL_FIRST_S = 0.001
 COMMIT_POLL_MAX_S = 0.05

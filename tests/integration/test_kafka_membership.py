@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import pytest
 from confluent_kafka import TopicPartition
+from kafka.structs import TopicPartition as KafkaTopicPartition
 
 from cli.common import ensure_topics
 from log.backend import Membership, OutRecord, Subscription
@@ -267,6 +268,55 @@ def test_a_commit_the_broker_does_not_answer_holds_up_neither_the_member_nor_the
                 finally:
                     await asyncio.to_thread(reader.close)
                 assert committed.offset == 10
+            finally:
+                await member.close()
+                await backend.close()
+
+        asyncio.run(scenario())
+
+
+def test_on_kafka_python_too_a_commit_the_broker_does_not_answer_returns_and_its_offsets_go_with_the_next(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kafka-python bounds a commit only by its request timeout (305 s), then raises into the worker:
+    with the test's own broker SIGSTOPped, a commit returns after COMMIT_WAIT_S with a warning, the
+    member polls on, and the offsets land with the first commit after the broker answers again."""
+    monkeypatch.setattr("log.kafka_backend.COMMIT_WAIT_S", 1.0)  # the test waits it out twice
+    with LocalKafkaBroker() as broker:
+        ensure_topics(f"kafka://{broker.bootstrap_servers}", namespace="kpcommit")
+        pid = broker.pid
+        assert pid is not None
+
+        async def scenario() -> None:
+            backend = KafkaBackend(broker.bootstrap_servers, namespace="kpcommit")
+            await backend.start()
+            member = await backend.subscribe("commit", [AGENT_ACTIONS.name], from_beginning=True)
+            assert isinstance(member, KafkaSubscription)
+            try:
+                keys = [f"k-{i}".encode() for i in range(10)]
+                await (await backend.produce(AGENT_ACTIONS.name, [OutRecord(0, key, b"x") for key in keys]))
+                await read_keys(member, set(), keys)
+                await member.commit({(AGENT_ACTIONS.name, 0): 4})  # answered
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    with caplog.at_level(logging.WARNING, logger="log.kafka_backend"):
+                        await member.commit({(AGENT_ACTIONS.name, 0): 7})
+                        assert "a commit had no answer in 1 s" in caplog.text
+                    assert await member.poll(0.1, 10) == []  # the member polls on
+                    await member.commit({(AGENT_ACTIONS.name, 0): 10})  # unanswered too: held
+                    assert member._unsent == {(AGENT_ACTIONS.name, 0): 10}
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                await until("confirmed", lambda: member.membership() is Membership.CONFIRMED, member)
+                await member.commit({})  # what the member commits next carries the held offsets
+                assert member._unsent == {}
+                reader = backend._consumer(group_id=backend.physical("commit"))
+                try:
+                    physical = backend.physical(AGENT_ACTIONS.name)
+                    committed = await asyncio.to_thread(reader.committed, KafkaTopicPartition(physical, 0))
+                finally:
+                    await asyncio.to_thread(reader.close)
+                assert committed == 10
             finally:
                 await member.close()
                 await backend.close()
