@@ -47,8 +47,10 @@ scheduling's share of a gain from the manager's.
 **Simulator.** ``services.engine.batching.BatchSim`` (the cache-policy bench's engine model) on
 the same sessions and arrivals, with the same KV pool (blocks of 32 tokens, no host tier),
 policies ``vllm``, ``vllm+plas``, ``ours`` and ``ours+plas``: with the cost model of Llama-3-8B on an A100,
-and calibrated with the first mode's measured prefill and decode rates. Its job times are
-trace seconds; the token counts and the ratios are what compare.
+and calibrated (``calibrated``) with this model's speeds on this machine, measured before the
+modes run, one request at a time (``measure_speeds``: two cold prefills, a decode step after
+each, a decode step of four sequences), so that the engine model adds a run's contention
+itself. Its job times are trace seconds, printed beside the real ones in wall seconds.
 
 Printed: prefill tokens computed, tokens served from the cache, hit rate, mean and p95 job
 completion time (wall seconds), and manager / vllm ratios, for real vLLM and the simulator.
@@ -109,9 +111,6 @@ class ModeResult:
     decisions: dict[str, int] = field(default_factory=dict)
     refused: int = 0
     pressure_releases: int = 0
-    output_tokens: int = 0
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
     queue_ms: float = 0.0
     num_calls: int = 0
     preemptions: int = 0  # running requests vLLM preempted (and recomputed) for lack of blocks
@@ -243,9 +242,6 @@ class Driver:
             cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
             self.result.prompt_tokens += int(usage["prompt_tokens"])
             self.result.cached_tokens += cached
-            self.result.output_tokens += int(usage["completion_tokens"])
-            self.result.prefill_ms += float(metrics.get("time_to_first_token_ms") or 0)
-            self.result.decode_ms += float(metrics.get("generation_time_ms") or 0)
             self.result.queue_ms += float(metrics.get("queue_time_ms") or 0)
             self.result.num_calls += 1
             context += list(choice.get("token_ids") or [])
@@ -334,15 +330,59 @@ async def preemptions(http: aiohttp.ClientSession, url: str) -> int:
     )
 
 
-def calibrated(measured: ModeResult, time_scale: float) -> CostModel:
-    """A cost model with the tiny model's measured speed on this CPU, in trace time (the sim's
-    clock): prefill per computed token and decode per output token, as vLLM's metrics say."""
+@dataclass(frozen=True)
+class Speeds:
+    """The model's speeds on this machine, each measured with nothing else running (wall ms):
+    a cold prefill of ``short`` and of ``long`` tokens (time to first token), a decode step of one
+    sequence after each of them, and a decode step of ``batch`` sequences after ``short`` each."""
+
+    short: int
+    long: int
+    prefill_short_ms: float
+    prefill_long_ms: float
+    step_short_ms: float
+    step_long_ms: float
+    batch: int
+    batch_step_ms: float
+    steps: int  # decode steps each step time is the mean of
+
+
+def calibrated(speeds: Speeds, time_scale: float) -> CostModel:
+    """The cost model of these speeds, in trace time (the sim's clock: wall ms / ``time_scale``).
+
+    Each term is fitted to measurements taken alone, so the batching engine model adds the
+    contention of a run itself (a call's decode time inside a run also holds the prefills of
+    the calls batched with it, so fitting to a run's own timings would count them twice):
+
+    - prefill ``t(n) = a n + b n (n + 1) / 2`` through the two cold prefills (``a``: per token,
+      ``b``: per attended pair);
+    - a decode step of one sequence at context ``c``, ``d + k c`` through the two single decode
+      steps (``k``: reading one token's KV; ``d``: the rest);
+    - a step of ``B`` sequences is ``d - p + B p + k C``: ``p``, the per-sequence share of ``d``,
+      from the batched step."""
+    sp = speeds
+    n1, n2 = sp.short, sp.long
+    # Solve a n + b n(n+1)/2 = t for (a, b) through the two prefills.
+    p1, p2 = n1 * (n1 + 1) / 2, n2 * (n2 + 1) / 2
+    det = n1 * p2 - n2 * p1
+    b = max(0.0, (n1 * sp.prefill_long_ms - n2 * sp.prefill_short_ms) / det)
+    a = max(0.0, (sp.prefill_short_ms - b * p1) / n1)
+    # A step's mean context is the prompt plus half the tokens generated meanwhile.
+    c1, c2 = n1 + (sp.steps - 1) / 2, n2 + (sp.steps - 1) / 2
+    k = max(0.0, (sp.step_long_ms - sp.step_short_ms) / (c2 - c1))
+    d = max(0.0, sp.step_short_ms - k * c1)
+    per_sequence = (sp.batch_step_ms - sp.step_short_ms) / (sp.batch - 1) - k * c1
+    per_sequence = min(d, max(0.0, per_sequence))
+    kv_bytes = CostModel().kv_bytes_per_token
     return CostModel(
         block_size=32,
         call_overhead_ms=0.0,
-        prefill_ms_per_token=measured.prefill_ms / max(1, measured.computed) / time_scale,
-        prefill_attention_ms_per_token_pair=0.0,
-        decode_ms_per_token=measured.decode_ms / max(1, measured.output_tokens - measured.num_calls) / time_scale,
+        prefill_ms_per_token=a / time_scale,
+        prefill_attention_ms_per_token_pair=b / time_scale,
+        decode_ms_per_token=d / time_scale,
+        decode_ms_per_sequence=per_sequence / time_scale,
+        # The KV read per context token, k ms, as the model's bandwidth term (kv bytes / bandwidth).
+        hbm_bytes_per_s=kv_bytes / (k / time_scale / 1000) if k > 0 else math.inf,
     )
 
 
@@ -433,18 +473,35 @@ def model_window(model: str, regime: Regime) -> int:
     return min(wanted, int(config.get("max_position_embeddings") or wanted))
 
 
-async def prefill_ms_per_token(url: str, tokens: int) -> float:
-    """This model's prefill time per token on this machine (vLLM's time to first token of one
-    ``tokens``-token prompt, after a warm-up of the same size)."""
+async def measure_speeds(url: str, long: int, batch: int = 4, steps: int = 64, repeats: int = 2) -> Speeds:
+    """This model's speeds on this machine (``Speeds``), after a warm-up; prompts of ``long // 4``
+    and ``long`` tokens, salted so that nothing is a prefix hit. Each number is the least of
+    ``repeats`` measurements (a first request of a shape can pay a one-time cost)."""
+    short = max(32, long // 4)
+    salt = uuid.uuid4().hex  # never a prefix hit, not even on a server that ran this before
+
+    async def call(driver: Driver, name: str, tokens: int) -> tuple[float, float]:
+        """(time to first token, decode time per step) of one cold request of ``tokens`` tokens."""
+        answer = await driver.complete(f"calibrate-{salt}-{name}", "llm-0", ids(f"calibrate:{salt}:{name}", tokens),
+                                       steps + 1)  # fmt: skip
+        metrics = answer.get("metrics") or {}
+        ttft = float(metrics.get("time_to_first_token_ms") or 0.0)
+        return ttft, float(metrics.get("generation_time_ms") or 0.0) / steps
+
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         driver = Driver("calibrate", url, http, 1.0)
-        ttft = 0.0
-        salt = uuid.uuid4().hex  # never a prefix hit, not even on a server that ran this before
-        for attempt in range(2):  # the first compiles and warms up; the second is measured
-            prompt = ids(f"calibrate:{salt}:{attempt}", tokens)
-            answer = await driver.complete(f"calibrate-{salt}-{attempt}", "llm-0", prompt, 1)
-            ttft = float((answer.get("metrics") or {}).get("time_to_first_token_ms") or 0.0)
-        return ttft / tokens
+        await call(driver, "warm-up", long)  # the first call compiles and warms up
+        shorts = [await call(driver, f"short-{i}", short) for i in range(repeats)]
+        longs = [await call(driver, f"long-{i}", long) for i in range(repeats)]
+        batched = []
+        for i in range(repeats):
+            together = await asyncio.gather(*(call(driver, f"batch-{i}-{j}", short) for j in range(batch)))
+            batched.append(sum(step for _, step in together) / batch)
+    return Speeds(
+        short=short, long=long, prefill_short_ms=min(t for t, _ in shorts), prefill_long_ms=min(t for t, _ in longs),
+        step_short_ms=min(d for _, d in shorts), step_long_ms=min(d for _, d in longs), batch=batch,
+        batch_step_ms=min(batched), steps=steps,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -505,9 +562,16 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
     try:
         time_scale_arg = args.time_scale or regime.time_scale
+        speeds = asyncio.run(measure_speeds(endpoints["url"], min(4096, regime.max_context // 2)))
+        out.print(
+            f"measured alone: prefill {speeds.prefill_short_ms / speeds.short:.3f} ms/token at {speeds.short} "
+            f"tokens, {speeds.prefill_long_ms / speeds.long:.3f} at {speeds.long}; a decode step "
+            f"{speeds.step_short_ms:.1f} ms after {speeds.short}, {speeds.step_long_ms:.1f} after {speeds.long}, "
+            f"{speeds.batch_step_ms:.1f} for {speeds.batch} sequences after {speeds.short}"
+        )
         if time_scale_arg == "auto":
-            measured = asyncio.run(prefill_ms_per_token(endpoints["url"], min(4096, regime.max_context // 2)))
-            reference = CostModel(block_size=32).prefill_ms(4096) / 4096
+            measured = speeds.prefill_long_ms / speeds.long
+            reference = CostModel(block_size=32).prefill_ms(speeds.long) / speeds.long
             time_scale = measured / reference
             out.print(
                 f"prefill here {measured:.3f} ms/token vs the cost model's A100 {reference:.3f}: "
@@ -524,10 +588,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
-    cost = calibrated(real[args.modes[0]], time_scale)
+    cost = calibrated(speeds, time_scale)
     out.print(
-        f"calibrated cost model (trace ms): prefill {cost.prefill_ms_per_token:.2f}/token, "
-        f"decode {cost.decode_ms_per_token:.1f}/token"
+        f"calibrated cost model (trace ms): prefill {cost.prefill_ms_per_token:.3f}/token "
+        f"+ {cost.prefill_attention_ms_per_token_pair:.2e}/pair, decode step {cost.decode_ms_per_token:.2f} "
+        f"({cost.decode_ms_per_sequence:.2f} per sequence) + {cost.decode_ms_per_context_token:.2e}/context token"
     )
     modes = tuple(args.modes)
     sim = simulate(trace, blocks, cost, modes)
