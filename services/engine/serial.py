@@ -298,8 +298,10 @@ class Sim:
             assert prev.tool is not None and prev.tool_duration_s is not None
             self.latency.observe(prev.tool, prev.tool_duration_s)
         s.phase, s.tool, s.ready_at = Phase.IDLE, None, t
-        self.queue.append(s.sid, self.manager.priority(s, t))
+        # The manager folds the tool's completion first: the planner computes a call's priority from
+        # a log that already holds it (the program's age includes that tool's time).
         self.manager.on_ready(s, t)
+        self.queue.append(s.sid, self.manager.priority(s, t))
 
     def _start(self, s: Sess, t: float) -> None:
         turn = s.trace.turns[s.turn]

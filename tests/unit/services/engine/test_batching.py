@@ -215,3 +215,29 @@ def test_growth_that_does_not_fit_preempts_the_lowest_ranked_call_with_prioritie
     assert m.preemptions == 1
     assert m.jct[0] == pytest.approx(0.103, abs=EPS)  # the first to finish is y, in x's former time
     assert m.jct == sorted(m.jct)
+
+
+class _HookOrder(SimManager):
+    """Records when the engine model tells the manager a call is ready and when it asks its priority."""
+
+    name = "order"
+
+    def __init__(self) -> None:
+        self.hooks: list[tuple[str, str, int]] = []
+
+    def on_ready(self, s: Sess, now: float) -> None:
+        self.hooks.append(("ready", s.sid, s.turn))
+
+    def priority(self, s: Sess, now: float) -> float | None:
+        self.hooks.append(("priority", s.sid, s.turn))
+        return None
+
+
+@pytest.mark.parametrize("engine", [Sim, BatchSim])
+def test_a_calls_priority_is_asked_after_its_ready_events_are_folded(engine: type[Sim]) -> None:
+    # The planner computes a call's priority from a log that already holds the tool's completion (its
+    # time is part of the program's age), so the engine model asks the manager after on_ready.
+    trace = Trace((_session("x", 0.0, TraceTurn(8, 4, "t", 0.5, 4), TraceTurn(4, 4)),))
+    order = _HookOrder()
+    engine(trace, order, gpu_blocks=8, host_blocks=0, cost=COST).run()
+    assert order.hooks == [("ready", "x", 0), ("priority", "x", 0), ("ready", "x", 1), ("priority", "x", 1)]
