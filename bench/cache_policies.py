@@ -164,7 +164,7 @@ from pathlib import Path
 from typing import TextIO
 
 from bench.baselines import make_baseline
-from bench.ours import Ours, OursPlas, VllmPlas
+from bench.ours import Ours, OursPlas, VllmPlas, VllmPlasHold
 from services.engine.batching import MAX_NUM_SEQS, BatchSim
 from services.engine.cost import CostModel
 from services.engine.serial import Metrics, Sim, SimManager
@@ -196,6 +196,8 @@ def make_manager(name: str) -> SimManager:
         return OursPlas()
     if name == "vllm+plas":  # not in the sweep: bench.vllm_agents' plas mode
         return VllmPlas()
+    if name == "vllm+plas+hold":  # not in the sweep: bench.vllm_agents' plas+hold mode
+        return VllmPlasHold()
     return make_baseline(name)
 
 

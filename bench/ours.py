@@ -226,3 +226,50 @@ class VllmPlas(OursPlas):
     def _fold(self, sid: SessionId, body: Model, now: float) -> None:
         self.num_events += 1
         self.logged(sid, body, now)
+
+
+class VllmPlasHold(VllmPlas):
+    """``vllm+plas`` on an engine with ranked pins (``workers.engines.vllm.scheduler``): every call
+    holds its session's blocks until the session's next call, and a call takes no blocks held by a
+    program that outranks it (it waits instead, the engine idle if nothing else runs); a finished
+    session's hold is released. A session's rank is the priority of its newest call, as the
+    engine's is the priority of its newest request."""
+
+    name = "vllm+plas+hold"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rank: dict[SessionId, float] = {}
+
+    def priority(self, s: Sess, now: float) -> float | None:
+        value = super().priority(s, now)
+        assert value is not None
+        self.rank[s.sid] = value
+        return value
+
+    def on_gap(self, s: Sess, now: float) -> None:
+        super().on_gap(s, now)
+        self.sim.cache.pin(s.sid)
+
+    def on_finish(self, s: Sess, now: float) -> None:
+        super().on_finish(s, now)
+        self.sim.cache.release(s.sid)
+        self.rank.pop(s.sid, None)
+
+    def make_room(self, needed: int, now: float, requester: Sess) -> bool:
+        mine = self.rank[requester.sid]
+        # Ranked after the requester or with it, the lowest-ranked first (as the engine's valve).
+        takeable = sorted(
+            ((self.rank[sid], sid) for sid in self.sim.pinned() if sid != requester.sid and self.rank[sid] >= mine),
+            reverse=True,
+        )
+        freed = 0
+        for _, sid in takeable:
+            if freed >= needed:
+                break
+            freed += self.sim.cache.release(sid)
+        return freed > 0
+
+    def waits(self, requester: Sess, now: float) -> bool:
+        mine = self.rank[requester.sid]
+        return any(self.rank[sid] < mine for sid in self.sim.pinned() if sid != requester.sid)

@@ -42,12 +42,16 @@ and releases under pressure in its ranking. Its clock is trace time (wall / time
 warm credit while a PRESERVE holds its KV). The server then runs ``--scheduling-policy
 priority``; the other modes send no priority, which vLLM serves first come first served.
 ``plas`` (run it with ``--modes``): the priorities without the cache manager, which tells the
-scheduling's share of a gain from the manager's.
+scheduling's share of a gain from the manager's. ``plas+hold`` (with ``--modes``): the priorities,
+and each call holds its session's context until the session's next call (the request's
+``agentlog_hold_s``; released when the session finishes) on a server with ranked pins
+(``--ranked-pins``: a waiting call takes no context a program ahead of it holds, it waits), so
+memory is served in the programs' order, as the queue is.
 
 **Simulator.** ``services.engine.batching.BatchSim`` (the cache-policy bench's engine model) on
 the same sessions and arrivals, with the same KV pool (blocks of 32 tokens, no host tier),
-policies ``vllm``, ``vllm+plas``, ``ours`` and ``ours+plas``: with the cost model of Llama-3-8B on an A100,
-and calibrated (``calibrated``) with this model's speeds on this machine, measured before the
+policies ``vllm``, ``vllm+plas``, ``ours``, ``ours+plas`` and ``vllm+plas+hold``: with the cost model
+of Llama-3-8B on an A100, and calibrated (``calibrated``) with this model's speeds on this machine, measured before the
 modes run, one request at a time (``measure_speeds``: two cold prefills, a decode step after
 each, a decode step of four sequences), so that the engine model adds a run's contention
 itself. Its job times are trace seconds, printed beside the real ones in wall seconds.
@@ -91,12 +95,20 @@ from workers.engines.vllm.server import VllmServer, VllmServerConfig, repo_root
 from workers.engines.vllm_http import token_ids
 
 ENGINE_ID = "vllm-0"
-MODES = ("vllm", "plas", "manager", "manager+plas")
+MODES = ("vllm", "plas", "manager", "manager+plas", "plas+hold")
 DEFAULT_MODES = ("vllm", "manager", "manager+plas")  # issue 16's three; plas tells what scheduling alone does
 MANAGED = frozenset({"manager", "manager+plas"})  # modes that run the cache manager
-SCHEDULED = frozenset({"plas", "manager+plas"})  # modes whose calls carry their program-level priority
+SCHEDULED = frozenset({"plas", "manager+plas", "plas+hold"})  # modes whose calls carry their program-level priority
+HELD = frozenset({"plas+hold"})  # modes whose calls hold their KV until the session's next call (ranked pins)
+HOLD_S = 600.0  # a held context's TTL, wall seconds: far past any tool gap here (a finished session's is released)
 # The simulator's name of each mode.
-SIM_POLICY = {"vllm": "vllm", "plas": "vllm+plas", "manager": "ours", "manager+plas": "ours+plas"}
+SIM_POLICY = {
+    "vllm": "vllm",
+    "plas": "vllm+plas",
+    "manager": "ours",
+    "manager+plas": "ours+plas",
+    "plas+hold": "vllm+plas+hold",
+}
 RUN = uuid.uuid4().hex[:8]
 MAX_CONTEXT = 960
 VOCAB = 4096
@@ -156,6 +168,7 @@ class Driver:
         self.t0 = time.monotonic()
         self.manager: CacheManager | None = None
         self.actuator: VllmActuator | None = None
+        self.control: VllmActuator | None = None
         # plas, manager+plas: each call's program-level priority, from the events it is fed.
         self.book = ProgressBook() if mode in SCHEDULED else None
         self._seq = 0
@@ -210,6 +223,8 @@ class Driver:
         }
         if priority is not None:
             body["priority"] = priority
+        if self.mode in HELD:
+            body["vllm_xargs"] = {"agentlog_hold_s": HOLD_S}
         async with self.http.post(f"{self.url}/v1/completions", json=body) as response:
             answer: dict[str, Any] = await response.json()
             if response.status != 200:
@@ -278,6 +293,8 @@ class Driver:
         await self.feed(
             sid, ev.SessionFinished(output_json="{}", num_llm_calls=len(s.turns), num_tool_calls=len(s.turns) - 1)
         )
+        if self.control is not None:  # held modes: nothing will use a finished session's context again
+            await self.control.control.call("release", session=sid)
         self.result.jct_s.append(time.monotonic() - began)
 
     async def kv_events(self, source: VllmKVSource) -> None:
@@ -291,6 +308,8 @@ class Driver:
 async def run_mode(mode: str, trace: Trace, endpoints: dict[str, str], blocks: int, time_scale: float) -> ModeResult:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         driver = Driver(mode, endpoints["url"], http, time_scale)
+        if mode in HELD:
+            driver.control = VllmActuator(ENGINE_ID, endpoints["control"])
         tasks: list[asyncio.Task[None]] = []
         source = None
         if mode in MANAGED:
@@ -316,6 +335,8 @@ async def run_mode(mode: str, trace: Trace, endpoints: dict[str, str], blocks: i
             for s in trace:  # leave nothing pinned for the next mode
                 await driver.actuator.control.call("release", session=driver.session_id(s))
             await driver.actuator.aclose()
+        if driver.control is not None:
+            await driver.control.aclose()
         return driver.result
 
 
@@ -553,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             # 2 cores, half the machine (a 2,048-token prefill of the long model: 18.8 s bound to one
             # core, 8.7-9.5 s unbound). Unbound, the model uses both (vLLM ignores it on a GPU).
             extra_env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+            ranked_pins=bool(HELD & set(args.modes)),
         )  # fmt: skip
         began = time.monotonic()
         server = VllmServer(config).start()

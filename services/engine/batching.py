@@ -151,6 +151,8 @@ class BatchSim(Sim):
             if self.running or not self.queue:
                 break
             # Nothing runs, yet the head of the queue does not fit and the manager made no room.
+            if self.manager.waits(self.sessions[self.queue[0]], t):
+                break  # it waits for the sessions ahead of it; their calls wake the engine
             if not self._release_all():
                 raise RuntimeError(f"call of {self.queue[0]} does not fit in {self.cache.num_gpu_blocks} blocks")
             self.m.forced += 1

@@ -144,6 +144,12 @@ class SimManager:
         """A call needs ``needed`` more GPU blocks than are free: True if something was freed."""
         return False
 
+    def waits(self, requester: Sess, now: float) -> bool:
+        """The call at the head of the queue does not fit, ``make_room`` freed nothing and nothing
+        runs: True if it waits anyway, the engine idle, for sessions that will come back for what
+        they hold (an engine with ranked pins); False: every pin is released (``forced``)."""
+        return False
+
     def priority(self, s: Sess, now: float) -> float | None:
         """The priority of the session's call that is ready now (lower is served first, as
         ``services.scheduling``'s), or None: first come first served (the default)."""

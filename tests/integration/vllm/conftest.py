@@ -96,6 +96,27 @@ def dev_vllm() -> Iterator[Vllm]:
         yield Vllm(cfg.url, cfg.served_model_name, cfg.kv_events, cfg.kv_replay, cfg.control)
 
 
+@pytest.fixture(scope="session")
+def ranked_vllm() -> Iterator[Vllm]:
+    """A server with ``--scheduling-policy priority`` and ranked pins (``--ranked-pins``: a waiting
+    call takes no pin of a program that outranks it), the tests' own."""
+    if not Path(default_python()).exists():
+        _unavailable("no vLLM virtualenv: run scripts/install_vllm.sh")
+    if not (TINY_MODEL / "model.safetensors").exists():
+        _unavailable(f"no tiny model: run {default_python()} scripts/make_tiny_model.py")
+    run_dir = Path(tempfile.mkdtemp(prefix="agentlog-vllm-ranked-"))
+    config = VllmServerConfig(
+        model=str(TINY_MODEL),
+        run_dir=run_dir,
+        num_gpu_blocks=NUM_GPU_BLOCKS,
+        scheduling_policy="priority",
+        ranked_pins=True,
+    )
+    with VllmServer(config).start() as server:
+        cfg = server.config
+        yield Vllm(cfg.url, cfg.served_model_name, cfg.kv_events, cfg.kv_replay, cfg.control)
+
+
 class VllmClient:
     """Completions with token prompts, and the scheduler's control channel."""
 
@@ -113,7 +134,13 @@ class VllmClient:
         return [self.rng.randrange(3, 4000) for _ in range(n)]
 
     async def complete(
-        self, prompt: list[int] | str, session: str, max_tokens: int = 4, ignore_eos: bool = False, **xargs: Any
+        self,
+        prompt: list[int] | str,
+        session: str,
+        max_tokens: int = 4,
+        ignore_eos: bool = False,
+        priority: int | None = None,
+        **xargs: Any,
     ) -> Any:
         self.sessions.add(session)
         body: dict[str, Any] = {
@@ -124,6 +151,8 @@ class VllmClient:
             "session_id": session,
             "ignore_eos": ignore_eos,
         }
+        if priority is not None:
+            body["priority"] = priority
         if xargs:
             body["vllm_xargs"] = xargs
         async with self.http.post(f"{self.vllm.url}/v1/completions", json=body) as response:

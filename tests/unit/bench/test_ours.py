@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.ours import Ours, VllmPlas
+from bench.ours import Ours, VllmPlas, VllmPlasHold
 from schemas.events import CacheDecisionMade, SessionId
 from services.cache.manager import CacheManager
 from services.engine.batching import BatchSim
@@ -98,3 +98,16 @@ def test_vllm_plas_follows_each_programs_progress_and_decides_nothing() -> None:
     assert set(plas.book.progress) == {f"s{i}" for i in range(12)}  # each program's progress, from the log
     assert plas.book.preserved == {}  # no warm credit: nothing preserves a session's KV
     assert m.computed_tokens == 12 * (200 + 270 + 330)
+
+
+def test_vllm_plas_hold_computes_fewer_prompts_and_never_forces_a_release() -> None:
+    # vllm+plas on an engine with ranked pins: every call holds its context until the session's next
+    # call, and a call waits rather than take the blocks of a program ahead of it. Every session still
+    # finishes (a call never waits for a pin for ever: the programs ahead of it finish, and a finished
+    # session's hold is released), and fewer prompts are computed again than under vllm+plas.
+    turns = (TraceTurn(200, 20, "search", 1.0, 40), TraceTurn(10, 30, "t", 2.0, 20), TraceTurn(10, 5))
+    trace = Trace(tuple(TraceSession(f"s{i}", "test", 0.05 * i, turns) for i in range(12)))
+    held = BatchSim(trace, VllmPlasHold(), gpu_blocks=60, host_blocks=0, cost=CostModel()).run()
+    plas = BatchSim(trace, VllmPlas(), gpu_blocks=60, host_blocks=0, cost=CostModel()).run()
+    assert len(held.jct) == 12 and (held.swapped_out_blocks, held.forced, held.refused) == (0, 0, 0)
+    assert held.computed_tokens < plas.computed_tokens == 12 * (200 + 270 + 330)

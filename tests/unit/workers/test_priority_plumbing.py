@@ -57,6 +57,15 @@ def test_vllm_is_started_with_priority_scheduling_on_request_and_says_so_to_the_
         VllmServerConfig(model="m", run_dir=tmp_path, python="python", scheduling_policy="lifo")
 
 
+def test_ranked_pins_are_asked_of_the_scheduler_and_need_the_priority_policy(tmp_path: Path) -> None:
+    assert "AGENTLOG_VLLM_RANKED_PINS" not in VllmServerConfig(model="m", run_dir=tmp_path, python="python").env()
+    ranked = VllmServerConfig(model="m", run_dir=tmp_path, python="python", scheduling_policy="priority",
+                              ranked_pins=True)  # fmt: skip
+    assert ranked.env()["AGENTLOG_VLLM_RANKED_PINS"] == "1"
+    with pytest.raises(ValueError, match="ranked_pins needs scheduling_policy 'priority'"):
+        VllmServerConfig(model="m", run_dir=tmp_path, python="python", ranked_pins=True)
+
+
 def test_scheduling_defaults_mode_by_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AGENTLOG_SCHEDULING", raising=False)
     assert scheduling_config(None, default="plas") == SchedulingConfig()

@@ -43,3 +43,16 @@ def test_pop_expired_takes_exactly_the_pins_at_or_past_their_ttl() -> None:
     assert [p.session_id for p in t.pop_expired(11)] == ["a", "b"]
     assert list(t.pins) == ["c"] and len(t) == 1
     assert t.pop_expired(11) == []
+
+
+def test_victims_below_a_rank_leave_the_pins_of_programs_that_outrank_it() -> None:
+    t = table(
+        Pin("early", [1], expires_at=10, score=0.0, rank=100),
+        Pin("late", [2], expires_at=10, score=5.0, rank=300),
+        Pin("same", [3], expires_at=10, score=1.0, rank=200),
+        Pin("unranked", [4], expires_at=10, score=9.0),
+    )
+    # A request of priority 200 may take what ranks after it or with it, and unranked pins; never
+    # "early", whose program is ahead of it.
+    assert [p.session_id for p in t.victims(below=200)] == ["same", "late", "unranked"]
+    assert [p.session_id for p in t.victims()] == ["early", "same", "late", "unranked"]

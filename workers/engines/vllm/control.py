@@ -71,6 +71,8 @@ __all__ = [
 CONTROL_ENV = "AGENTLOG_VLLM_CONTROL"
 """The endpoint the scheduler binds (set by the launcher, read inside vLLM)."""
 TOKEN_ENV = "AGENTLOG_VLLM_CONTROL_TOKEN"
+# "1": the scheduler ranks pins by their sessions' priorities (``workers.engines.vllm.scheduler``).
+RANKED_PINS_ENV = "AGENTLOG_VLLM_RANKED_PINS"
 
 OPS = ("hello", "status", "pin", "release", "discard")
 

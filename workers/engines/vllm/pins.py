@@ -9,7 +9,9 @@ call ends (that call's own hold, if any, replaces it), or under memory pressure.
 ``score`` is the cache manager's survival score from its PRESERVE decision (expected
 benefit per byte-second: lowest is worth least), so pins go in the order the manager ranked
 them; ties go to the pin that would expire first, then by session id (deterministic).
-A grace hold that no decision has scored yet has score 0 and goes first.
+A grace hold that no decision has scored yet has score 0 and goes first. On an engine with
+ranked pins a pin also carries its session's rank (its newest request's priority), and a
+request of priority ``p`` may take only the unranked pins and those ranked ``p`` or later.
 
 Pure: no vLLM, no clock (``now`` is a parameter); generic over the block type so unit tests
 use plain objects.
@@ -33,6 +35,9 @@ class Pin(Generic[B]):
     """Full blocks in prefix order; the pin holds one reference on each."""
     expires_at: float
     score: float = 0.0
+    rank: int | None = None
+    """The priority of the session's last request (lower is served first), on an engine that
+    ranks pins (``victims``' ``below``); None: releasable to any request."""
 
     @property
     def num_blocks(self) -> int:
@@ -78,10 +83,16 @@ class PinTable(Generic[B]):
             del self.pins[pin.session_id]
         return expired
 
-    def victims(self, *, exclude: Iterable[str] = ()) -> list[Pin[B]]:
-        """Pins in the order to release them under pressure (see module docstring)."""
+    def victims(self, *, exclude: Iterable[str] = (), below: int | None = None) -> list[Pin[B]]:
+        """Pins in the order to release them under pressure (see module docstring); with ``below``,
+        only the pins a request of that priority may take: unranked, or not ranked before it (a pin
+        of the same rank is taken, as with no ranks: all-default priorities change nothing)."""
         skip = set(exclude)
-        pins = [p for p in self.pins.values() if p.session_id not in skip]
+        pins = [
+            p
+            for p in self.pins.values()
+            if p.session_id not in skip and (below is None or p.rank is None or p.rank >= below)
+        ]
         return sorted(pins, key=lambda p: (p.score, p.expires_at, p.session_id))
 
     @property

@@ -24,10 +24,20 @@ so also while vLLM is idle), on ``release`` (blocks back to the LRU tail-first),
 ``discard`` (released, then the session's cached blocks that nobody holds are evicted:
 ``BlockRemoved``), or when the session's next call ends (its own hold, if any, replaces it).
 
-**Pressure valve.** Before each ``schedule()``: while the request at the head of the waiting
-queue needs more new blocks than are free, release pins in ``PinTable.victims`` order
-(lowest cache-manager score first), never the pin of that request's own session (its
-blocks are its prefix hits). So pins never stall admission.
+**Pressure valve.** Before each ``schedule()``: while the running requests need more new
+blocks than are free to reach their next token, then while the request at the head of the
+waiting queue needs more, release pins in ``PinTable.victims`` order (lowest cache-manager
+score first), never the pin of the head's own session (its blocks are its prefix hits). So a
+pin never makes vLLM preempt a running call, and without ranked pins never stalls admission.
+
+**Ranked pins** (``AGENTLOG_VLLM_RANKED_PINS=1``, ``server --ranked-pins``, with the priority
+scheduling policy): a pin is ranked by the priority of its session's newest request (updated
+when the next one arrives), and the head of the waiting queue takes only the pins ranked with
+or after it. When what it lacks is held by programs ahead of it, it waits for them: memory is
+served in the programs' order, as the queue is, instead of the newest program evicting the
+context of an older one that is between two calls (``status``'s ``held_back`` names them). The
+programs ahead come back (their calls outrank the head, and are admitted with their own pins'
+blocks) or end (their holds are released or expire), so the wait is bounded by the TTLs.
 
 **Threads.** The control channel's thread and vLLM's engine loop both touch the block pool:
 one lock serialises ``schedule``, ``update_from_output``, ``add_request``,
@@ -52,7 +62,7 @@ from vllm.distributed.kv_events import KVEventBatch  # type: ignore[import-not-f
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # type: ignore[import-not-found]
 from vllm.v1.core.sched.scheduler import Scheduler  # type: ignore[import-not-found]
 
-from workers.engines.vllm.control import CONTROL_ENV, TOKEN_ENV, ControlError, ControlServer
+from workers.engines.vllm.control import CONTROL_ENV, RANKED_PINS_ENV, TOKEN_ENV, ControlError, ControlServer
 from workers.engines.vllm.pins import Pin, PinTable
 
 __all__ = ["AgentlogAsyncScheduler", "AgentlogScheduler"]
@@ -80,7 +90,10 @@ class AgentlogScheduler(Scheduler):  # type: ignore[misc]
         self._pending: dict[str, tuple[float, float]] = {}  # session -> (ttl_s, score), taken when its call ends
         self._last: dict[str, list[tuple[Any, Any]]] = {}  # session -> [(block, hash)] of its last call
         self.pressure_releases: list[str] = []
+        self.held_back: dict[str, list[str]] = {}  # waiting head -> the outranking pins it waits for
+        self._rank: dict[str, int] = {}  # session -> its last request's priority (ranked pins only)
         super().__init__(vllm_config, *args, **kwargs)
+        self._ranked = os.environ.get(RANKED_PINS_ENV) == "1"
         endpoint = os.environ.get(CONTROL_ENV)
         self._control = (
             ControlServer(endpoint, self._on_control, self._tick, token=os.environ.get(TOKEN_ENV) or None)
@@ -104,6 +117,14 @@ class AgentlogScheduler(Scheduler):  # type: ignore[misc]
     def add_request(self, request: Any) -> None:
         with self._lock:
             super().add_request(request)
+            if self._ranked and request.session_id:
+                # A session's rank is its newest request's: a pin keeps its program's place in the
+                # queue, not the place of a call it made long ago (else a request that now ranks
+                # after the head would wait behind it for its own pin's room, and the head for it).
+                self._rank[request.session_id] = int(request.priority)
+                pin = self._pins.get(request.session_id)
+                if pin is not None:
+                    pin.rank = int(request.priority)
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
@@ -127,9 +148,11 @@ class AgentlogScheduler(Scheduler):  # type: ignore[misc]
         full = self._full_prefix(blocks)
         hold = self._pending.pop(session_id, None) or self._requested_hold(request)
         old = self._pins.pop(session_id)
+        if self._ranked:
+            self._rank[session_id] = int(request.priority)
         if hold is not None and full:
             ttl_s, score = hold
-            self._pins.put(Pin(session_id, full, time.monotonic() + ttl_s, score))
+            self._pins.put(Pin(session_id, full, time.monotonic() + ttl_s, score, self._rank.get(session_id)))
             self._pool.free_blocks(reversed(blocks[len(full) :]))
         else:
             self._pool.free_blocks(reversed(blocks))
@@ -191,24 +214,47 @@ class AgentlogScheduler(Scheduler):  # type: ignore[misc]
         return need
 
     def _relieve_pressure(self) -> None:
+        self.held_back = {}
         if not self._pins:
             return
         head = self.waiting.peek_request() if self.waiting else None
         exclude = [head.session_id] if head is not None and head.session_id else []
+        # The running requests' growth first, from any pin but the head's: a pin never makes vLLM
+        # preempt a running call.
         for pin in self._pins.victims(exclude=exclude):
-            need = self._blocks_to_grow()
-            free = self._pool.get_num_free_blocks()
-            if head is not None:
-                hits = self._cached_prefix(head)
-                need += _cdiv(head.num_tokens + 1, self.block_size) - len(hits)
-                free -= sum(1 for b in hits if b.ref_cnt == 0)
-            if free >= need:
+            if self._pool.get_num_free_blocks() >= self._blocks_to_grow():
+                break
+            self._release_under_pressure(pin)
+        if head is None:
+            return
+        # Then the head's room. With ranked pins it takes no pin of a program that outranks it:
+        # it waits for that program instead (program-level scheduling of memory).
+        below = int(head.priority) if self._ranked else None
+        for pin in self._pins.victims(exclude=exclude, below=below):
+            if self._head_short(head) <= 0:
                 return
-            self._pins.pop(pin.session_id)
-            self._release(pin)
-            self.pressure_releases.append(pin.session_id)
-            del self.pressure_releases[:-MAX_PRESSURE_LOG]
-            _log.info("released the pin of %s (%d blocks) under pressure", pin.session_id, pin.num_blocks)
+            self._release_under_pressure(pin)
+        if below is not None and head.session_id and self._head_short(head) > 0:
+            # What is left is held by programs ahead of the head: it waits for them. vLLM does not
+            # stall: the running calls go on, and a call of those programs is admitted ahead of it.
+            ahead = sorted(p.session_id for p in self._pins if p.rank is not None and p.rank < below)
+            self.held_back = {head.session_id: ahead}
+
+    def _head_short(self, head: Any) -> int:
+        """Blocks the head of the waiting queue lacks, beyond the running requests' growth."""
+        need = self._blocks_to_grow()
+        free = self._pool.get_num_free_blocks()
+        hits = self._cached_prefix(head)
+        need += _cdiv(head.num_tokens + 1, self.block_size) - len(hits)
+        free -= sum(1 for b in hits if b.ref_cnt == 0)
+        return int(need - free)
+
+    def _release_under_pressure(self, pin: Pin[Any]) -> None:
+        self._pins.pop(pin.session_id)
+        self._release(pin)
+        self.pressure_releases.append(pin.session_id)
+        del self.pressure_releases[:-MAX_PRESSURE_LOG]
+        _log.info("released the pin of %s (%d blocks) under pressure", pin.session_id, pin.num_blocks)
 
     def _flush_kv_events(self) -> None:
         """Publish the events a control op caused now (vLLM may be idle for a long time)."""
@@ -252,6 +298,7 @@ class AgentlogScheduler(Scheduler):  # type: ignore[misc]
                     },
                     "pending": sorted(self._pending),
                     "pressure_releases": list(self.pressure_releases),
+                    "held_back": dict(self.held_back),
                     # What vLLM's own queues hold: the sessions of the running requests, and the
                     # waiting ones with their priorities in the order vLLM will admit them (its
                     # --scheduling-policy's order), so a client can see that requests queued
@@ -292,11 +339,12 @@ class AgentlogScheduler(Scheduler):  # type: ignore[misc]
             blocks.append(block)
         if blocks:
             self._pool.touch(blocks)
-            self._pins.put(Pin(session_id, blocks, expires_at, score))
+            self._pins.put(Pin(session_id, blocks, expires_at, score, self._rank.get(session_id)))
         return {"num_blocks": len(blocks)}
 
     def _discard(self, session_id: str) -> dict[str, Any]:
         self._pending.pop(session_id, None)
+        self._rank.pop(session_id, None)
         pin = self._pins.pop(session_id)
         if pin is not None:
             self._release(pin)

@@ -38,6 +38,8 @@ What the command line configures, and why:
   request may be preempted for a higher-priority one; the planner and the gateway send
   agentlog's program-level priorities (``services.scheduling``) when ``AGENTLOG_SCHEDULING=plas``,
   which ``start`` prints with the endpoints (vLLM refuses a non-zero priority under ``fcfs``);
+- ``--ranked-pins`` (with ``--scheduling-policy priority``): a waiting request takes no pin of a
+  session whose program outranks it, and waits instead (``workers.engines.vllm.scheduler``);
 - on a machine without a GPU: ``--enforce-eager`` (no torch.compile: starts in ~35 s
   instead of ~90 s on 2 cores) and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB).
 
@@ -63,7 +65,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.engines.vllm.control import CONTROL_ENV
+from workers.engines.vllm.control import CONTROL_ENV, RANKED_PINS_ENV
 
 __all__ = ["VllmServer", "VllmServerConfig", "default_python", "repo_root"]
 
@@ -126,12 +128,17 @@ class VllmServerConfig:
     """vLLM's ``--scheduling-policy``: ``fcfs`` or ``priority`` (serve requests by their ``priority``)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """More environment for vLLM (e.g. ``VLLM_SERVER_DEV_MODE=1``: its ``/pause`` and ``/resume``)."""
+    ranked_pins: bool = False
+    """A waiting call takes no pin of a program that outranks it (``scheduler``'s ranked pins);
+    needs ``scheduling_policy="priority"``."""
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, not {self.scheduling_policy!r}"
             )
+        if self.ranked_pins and self.scheduling_policy != "priority":
+            raise ValueError("ranked_pins needs scheduling_policy 'priority' (pins are ranked by priority)")
 
     @property
     def url(self) -> str:
@@ -206,6 +213,8 @@ class VllmServerConfig:
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # vLLM imports twice as fast from .pyc (written on first start)
         if self.cpu:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if self.ranked_pins:
+            env[RANKED_PINS_ENV] = "1"
         env.update(self.extra_env)
         return env
 
@@ -316,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         default="fcfs",
         help="priority: serve requests by their priority field (agentlog's program-level priorities)",
     )
+    start.add_argument(
+        "--ranked-pins",
+        action="store_true",
+        help="with --scheduling-policy priority: a waiting call takes no pin of a program that outranks it",
+    )
     start.add_argument("--chat-template", type=Path, default=None, help="default: ours for a local model without one")
     start.add_argument("--pid-file", type=Path)
     start.add_argument("--wait-s", type=float, default=600)
@@ -341,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         extra_args=args.extra,
         chat_template=args.chat_template,
         scheduling_policy=args.scheduling_policy,
+        ranked_pins=args.ranked_pins,
     )
     server = VllmServer(config)
     began = time.monotonic()
