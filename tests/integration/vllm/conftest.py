@@ -17,7 +17,7 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,41 +78,30 @@ def dev_vllm() -> Iterator[Vllm]:
     and ``--max-num-seqs 1`` (one request runs at a time: the order queued requests complete in is
     the order vLLM admitted them). Holding the engine is what makes a test independent of the
     machine's load: a call that is held cannot end before the test has done what it races."""
-    if not Path(default_python()).exists():
-        _unavailable("no vLLM virtualenv: run scripts/install_vllm.sh")
-    if not (TINY_MODEL / "model.safetensors").exists():
-        _unavailable(f"no tiny model: run {default_python()} scripts/make_tiny_model.py")
-    run_dir = Path(tempfile.mkdtemp(prefix="agentlog-vllm-dev-"))
-    config = VllmServerConfig(
-        model=str(TINY_MODEL),
-        run_dir=run_dir,
-        num_gpu_blocks=NUM_GPU_BLOCKS,
+    yield from _own_server(
+        "agentlog-vllm-dev-",
         scheduling_policy="priority",
         extra_args=["--max-num-seqs", "1"],
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},
     )
-    with VllmServer(config).start() as server:
-        cfg = server.config
-        yield Vllm(cfg.url, cfg.served_model_name, cfg.kv_events, cfg.kv_replay, cfg.control)
 
 
 @pytest.fixture(scope="session")
 def ranked_vllm() -> Iterator[Vllm]:
     """A server with ``--scheduling-policy priority`` and ranked pins (``--ranked-pins``: a waiting
     call takes no pin of a program that outranks it), the tests' own."""
+    yield from _own_server("agentlog-vllm-ranked-", scheduling_policy="priority", ranked_pins=True)
+
+
+def _own_server(prefix: str, **config: Any) -> Iterator[Vllm]:
+    """A tiny-model server of the tests' own (pool: ``NUM_GPU_BLOCKS``), with ``config``'s options."""
     if not Path(default_python()).exists():
         _unavailable("no vLLM virtualenv: run scripts/install_vllm.sh")
     if not (TINY_MODEL / "model.safetensors").exists():
         _unavailable(f"no tiny model: run {default_python()} scripts/make_tiny_model.py")
-    run_dir = Path(tempfile.mkdtemp(prefix="agentlog-vllm-ranked-"))
-    config = VllmServerConfig(
-        model=str(TINY_MODEL),
-        run_dir=run_dir,
-        num_gpu_blocks=NUM_GPU_BLOCKS,
-        scheduling_policy="priority",
-        ranked_pins=True,
-    )
-    with VllmServer(config).start() as server:
+    run_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    server_config = VllmServerConfig(model=str(TINY_MODEL), run_dir=run_dir, num_gpu_blocks=NUM_GPU_BLOCKS, **config)
+    with VllmServer(server_config).start() as server:
         cfg = server.config
         yield Vllm(cfg.url, cfg.served_model_name, cfg.kv_events, cfg.kv_replay, cfg.control)
 
@@ -213,3 +202,18 @@ async def vllm_client(vllm: Vllm) -> AsyncIterator[VllmClient]:
                     await control.call("discard", session=session)
     finally:  # also when hello or a discard fails: an unclosed socket is a ResourceWarning (an error) later
         await control.aclose()
+
+
+def run(vllm: Vllm, scenario: Callable[[VllmClient], Awaitable[None]]) -> None:
+    """``scenario`` with a fresh client (``vllm_client``) on ``vllm``."""
+
+    async def main() -> None:
+        async with vllm_client(vllm) as client:
+            await scenario(client)
+
+    asyncio.run(main())
+
+
+def context_len(client: VllmClient, num_blocks: int) -> int:
+    """A prompt length with ``num_blocks`` full blocks and room for 4 output tokens in the next."""
+    return num_blocks * client.block_size + client.block_size // 4

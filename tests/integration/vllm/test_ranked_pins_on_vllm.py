@@ -10,26 +10,12 @@ Nothing here is timed: each step waits for a state the control channel reports.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 import pytest
 
-from tests.integration.vllm.conftest import Vllm, VllmClient, vllm_client
+from tests.integration.vllm.conftest import Vllm, VllmClient, context_len, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def run(vllm: Vllm, scenario: Callable[[VllmClient], Awaitable[None]]) -> None:
-    async def main() -> None:
-        async with vllm_client(vllm) as client:
-            await scenario(client)
-
-    asyncio.run(main())
-
-
-def context_len(client: VllmClient, num_blocks: int) -> int:
-    """A prompt length with ``num_blocks`` full blocks and room for 4 output tokens in the next."""
-    return num_blocks * client.block_size + client.block_size // 4
 
 
 def test_a_waiting_call_takes_the_pin_ranked_after_it_not_the_lowest_scored(ranked_vllm: Vllm) -> None:

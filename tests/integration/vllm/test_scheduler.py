@@ -9,26 +9,12 @@ blocks only (the prompts here leave room for the 4 output tokens in the last, pa
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 import pytest
 
-from tests.integration.vllm.conftest import Vllm, VllmClient, vllm_client
+from tests.integration.vllm.conftest import Vllm, VllmClient, context_len, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def run(vllm: Vllm, scenario: Callable[[VllmClient], Awaitable[None]]) -> None:
-    async def main() -> None:
-        async with vllm_client(vllm) as client:
-            await scenario(client)
-
-    asyncio.run(main())
-
-
-def context_len(client: VllmClient, num_blocks: int) -> int:
-    """A prompt length with ``num_blocks`` full blocks and room for 4 output tokens in the next."""
-    return num_blocks * client.block_size + client.block_size // 4
 
 
 def test_without_a_pin_the_next_turn_after_a_gap_recomputes_everything(vllm: Vllm) -> None:
