@@ -44,6 +44,7 @@ from schemas.events import (
 )
 from services.cache import CachePolicy
 from services.cache.manager import CacheManager, ManagerConfig
+from services.engine.batching import BatchSim
 from services.engine.serial import Sess, SimManager
 from services.scheduling import ProgressBook, SchedulingConfig
 from workers.engine_bridge.sim import decode_event
@@ -258,9 +259,15 @@ class VllmPlasHold(VllmPlas):
 
     def make_room(self, needed: int, now: float, requester: Sess) -> bool:
         mine = self.rank[requester.sid]
-        # Ranked after the requester or with it, the lowest-ranked first (as the engine's valve).
+        # As the engine's valve: a running call's growth takes any pin, a waiting call those ranked
+        # after it or with it; the lowest-ranked first.
+        growing = isinstance(self.sim, BatchSim) and requester.sid in self.sim.running
         takeable = sorted(
-            ((self.rank[sid], sid) for sid in self.sim.pinned() if sid != requester.sid and self.rank[sid] >= mine),
+            (
+                (self.rank[sid], sid)
+                for sid in self.sim.pinned()
+                if sid != requester.sid and (growing or self.rank[sid] >= mine)
+            ),
             reverse=True,
         )
         freed = 0
