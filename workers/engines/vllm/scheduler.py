@@ -148,8 +148,6 @@ class AgentlogScheduler(Scheduler):  # type: ignore[misc]
         full = self._full_prefix(blocks)
         hold = self._pending.pop(session_id, None) or self._requested_hold(request)
         old = self._pins.pop(session_id)
-        if self._ranked:
-            self._rank[session_id] = int(request.priority)
         if hold is not None and full:
             ttl_s, score = hold
             self._pins.put(Pin(session_id, full, time.monotonic() + ttl_s, score, self._rank.get(session_id)))
