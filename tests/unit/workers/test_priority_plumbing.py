@@ -16,6 +16,7 @@ from workers.config import scheduling_config
 from workers.engines.chat import ChatEngine
 from workers.engines.http import HttpEngine
 from workers.engines.vllm.server import VllmServerConfig
+from workers.engines.vllm.server import main as server_main
 from workers.engines.vllm_http import VllmEngine
 from workers.gateway import GatewayWorker
 
@@ -64,6 +65,17 @@ def test_ranked_pins_are_asked_of_the_scheduler_and_need_the_priority_policy(tmp
     assert ranked.env()["AGENTLOG_VLLM_RANKED_PINS"] == "1"
     with pytest.raises(ValueError, match="ranked_pins needs scheduling_policy 'priority'"):
         VllmServerConfig(model="m", run_dir=tmp_path, python="python", ranked_pins=True)
+
+
+def test_the_launcher_refuses_ranked_pins_without_the_priority_policy_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        server_main(["start", "--model", "m", "--run-dir", str(tmp_path), "--ranked-pins"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("--ranked-pins needs --scheduling-policy priority (pins are ranked by priority)")
+    assert "Traceback" not in "".join(err)
 
 
 def test_scheduling_defaults_mode_by_mode(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = sub.add_parser("stop", help="stop the server started with --pid-file")
     stop.add_argument("--pid-file", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.command == "start" and args.ranked_pins and args.scheduling_policy != "priority":
+        parser.error("--ranked-pins needs --scheduling-policy priority (pins are ranked by priority)")
 
     if args.command == "stop":
         if args.pid_file.exists():
