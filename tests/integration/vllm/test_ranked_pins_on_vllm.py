@@ -4,6 +4,7 @@ On the ``ranked_vllm`` server (conftest: ``--scheduling-policy priority --ranked
 48 blocks of 32 tokens). A pin's rank is the priority of its session's newest request; the call at
 the head of vLLM's waiting queue may take pins ranked with or after it, never one ranked before
 it: it waits for that program instead, and the scheduler's ``status`` says so (``held_back``).
+Of the pins it may take, the program ranked last goes first.
 Nothing here is timed: each step waits for a state the control channel reports.
 """
 
@@ -18,19 +19,20 @@ from tests.integration.vllm.conftest import Vllm, VllmClient, context_len, run
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_a_waiting_call_takes_the_pin_ranked_after_it_not_the_lowest_scored(ranked_vllm: Vllm) -> None:
+def test_a_waiting_call_takes_the_pin_ranked_last_not_the_lowest_scored(ranked_vllm: Vllm) -> None:
     async def scenario(c: VllmClient) -> None:
         per_pin = (c.num_gpu_blocks - 1) // 5
-        early, late = c.tokens(context_len(c, per_pin)), c.tokens(context_len(c, per_pin))
-        # Unranked, the valve would release "early" first: its cache-manager score is the lowest.
+        early, mid, late = (c.tokens(context_len(c, per_pin)) for _ in range(3))
+        # Unranked, the valve would release "early" first, then "mid": the lowest cache-manager scores.
         await c.complete(early, "early", priority=100, agentlog_hold_s=60, agentlog_score=1.0)
+        await c.complete(mid, "mid", priority=250, agentlog_hold_s=60, agentlog_score=2.0)
         await c.complete(late, "late", priority=300, agentlog_hold_s=60, agentlog_score=3.0)
         status = await c.status()
         before, free = len(status["pressure_releases"]), status["num_free_blocks"]
         await c.complete(c.tokens((free + 1) * c.block_size - 1), "big", priority=200)
         status = await c.status()
         assert status["pressure_releases"][before:] == ["late"]
-        assert list(status["pins"]) == ["early"]
+        assert sorted(status["pins"]) == ["early", "mid"]
         assert await c.cached(early + c.tokens(8), "early", priority=100) == per_pin * c.block_size
 
     run(ranked_vllm, scenario)

@@ -56,3 +56,18 @@ def test_victims_below_a_rank_leave_the_pins_of_programs_that_outrank_it() -> No
     # "early", whose program is ahead of it.
     assert [p.session_id for p in t.victims(below=200)] == ["same", "late", "unranked"]
     assert [p.session_id for p in t.victims()] == ["early", "same", "late", "unranked"]
+
+
+def test_victims_by_rank_go_in_the_programs_order_the_program_ranked_last_first() -> None:
+    t = table(
+        Pin("early", [1], expires_at=10, score=0.0, rank=100),
+        Pin("late", [2], expires_at=10, score=5.0, rank=300),
+        Pin("same", [3], expires_at=10, score=1.0, rank=200),
+        Pin("also-late", [5], expires_at=9, score=7.0, rank=300),
+        Pin("unranked", [4], expires_at=10, score=9.0),
+    )
+    # Unranked pins first (no program claims them), then the latest program's; the score and the
+    # expiry break ties between pins of the same rank.
+    order = ["unranked", "late", "also-late", "same", "early"]
+    assert [p.session_id for p in t.victims(by_rank=True)] == order
+    assert [p.session_id for p in t.victims(below=200, by_rank=True)] == order[:-1]

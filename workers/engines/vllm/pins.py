@@ -10,8 +10,9 @@ call ends (that call's own hold, if any, replaces it), or under memory pressure.
 benefit per byte-second: lowest is worth least), so pins go in the order the manager ranked
 them; ties go to the pin that would expire first, then by session id (deterministic).
 A grace hold that no decision has scored yet has score 0 and goes first. On an engine with
-ranked pins a pin also carries its session's rank (its newest request's priority), and a
-request of priority ``p`` may take only the unranked pins and those ranked ``p`` or later.
+ranked pins a pin also carries its session's rank (its newest request's priority), a request
+of priority ``p`` may take only the unranked pins and those ranked ``p`` or later, and pins go
+in the programs' order (``by_rank``: the program ranked last first; the score breaks ties).
 
 Pure: no vLLM, no clock (``now`` is a parameter); generic over the block type so unit tests
 use plain objects.
@@ -83,16 +84,19 @@ class PinTable(Generic[B]):
             del self.pins[pin.session_id]
         return expired
 
-    def victims(self, *, exclude: Iterable[str] = (), below: int | None = None) -> list[Pin[B]]:
+    def victims(self, *, exclude: Iterable[str] = (), below: int | None = None, by_rank: bool = False) -> list[Pin[B]]:
         """Pins in the order to release them under pressure (see module docstring); with ``below``,
         only the pins a request of that priority may take: unranked, or not ranked before it (a pin
-        of the same rank is taken, as with no ranks: all-default priorities change nothing)."""
+        of the same rank is taken, as with no ranks: all-default priorities change nothing). With
+        ``by_rank``, the programs' order first: unranked pins, then the one ranked last."""
         skip = set(exclude)
         pins = [
             p
             for p in self.pins.values()
             if p.session_id not in skip and (below is None or p.rank is None or p.rank >= below)
         ]
+        if by_rank:
+            return sorted(pins, key=lambda p: (p.rank is not None, -(p.rank or 0), p.score, p.expires_at, p.session_id))
         return sorted(pins, key=lambda p: (p.score, p.expires_at, p.session_id))
 
     @property

@@ -38,6 +38,8 @@ served in the programs' order, as the queue is, instead of the newest program ev
 context of an older one that is between two calls (``status``'s ``held_back`` names them). The
 programs ahead come back (their calls outrank the head, and are admitted with their own pins'
 blocks) or end (their holds are released or expire), so the wait is bounded by the TTLs.
+Pins go in the programs' order too, for the running requests' growth as for the head: the pin
+of the program ranked last first, not the one the cache manager scored lowest.
 
 **Threads.** The control channel's thread and vLLM's engine loop both touch the block pool:
 one lock serialises ``schedule``, ``update_from_output``, ``add_request``,
@@ -219,7 +221,7 @@ class AgentlogScheduler(Scheduler):  # type: ignore[misc]
         exclude = [head.session_id] if head is not None and head.session_id else []
         # The running requests' growth first, from any pin but the head's: a pin never makes vLLM
         # preempt a running call.
-        for pin in self._pins.victims(exclude=exclude):
+        for pin in self._pins.victims(exclude=exclude, by_rank=self._ranked):
             if self._pool.get_num_free_blocks() >= self._blocks_to_grow():
                 break
             self._release_under_pressure(pin)
@@ -228,7 +230,7 @@ class AgentlogScheduler(Scheduler):  # type: ignore[misc]
         # Then the head's room. With ranked pins it takes no pin of a program that outranks it:
         # it waits for that program instead (program-level scheduling of memory).
         below = int(head.priority) if self._ranked else None
-        for pin in self._pins.victims(exclude=exclude, below=below):
+        for pin in self._pins.victims(exclude=exclude, below=below, by_rank=self._ranked):
             if self._head_short(head) <= 0:
                 return
             self._release_under_pressure(pin)
