@@ -46,7 +46,7 @@ from services.cache import CachePolicy
 from services.cache.manager import CacheManager, ManagerConfig
 from services.engine.batching import BatchSim
 from services.engine.serial import Sess, SimManager
-from services.scheduling import ProgressBook, SchedulingConfig
+from services.scheduling import PROGRAM_ORDER, ProgressBook, SchedulingConfig
 from workers.engine_bridge.sim import decode_event
 from workers.engines.sim_server import kv_event_json
 
@@ -234,12 +234,14 @@ class VllmPlasHold(VllmPlas):
     holds its session's blocks until the session's next call, and a call takes no blocks held by a
     program that outranks it (it waits instead, the engine idle if nothing else runs); a finished
     session's hold is released. A session's rank is the priority of its newest call, as the
-    engine's is the priority of its newest request."""
+    engine's is the priority of its newest request, computed without the attained-service term
+    (``PROGRAM_ORDER``: with it, two programs holding contexts pass each other in turn and take
+    each other's context at every call)."""
 
     name = "vllm+plas+hold"
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(PROGRAM_ORDER)  # ranks that stay put, as a ranked-pins server asks the planner
         self.rank: dict[SessionId, float] = {}
 
     def priority(self, s: Sess, now: float) -> float | None:

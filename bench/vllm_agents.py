@@ -46,7 +46,9 @@ scheduling's share of a gain from the manager's. ``plas+hold`` (with ``--modes``
 and each call holds its session's context until the session's next call (the request's
 ``agentlog_hold_s``; released when the session finishes) on a server with ranked pins
 (``--ranked-pins``: a waiting call takes no context a program ahead of it holds, it waits), so
-memory is served in the programs' order, as the queue is.
+memory is served in the programs' order, as the queue is; its priorities leave out the
+attained-service term (``PROGRAM_ORDER``, what the server announces to the planner), so that the
+programs' order stays put.
 
 **Simulator.** ``services.engine.batching.BatchSim`` (the cache-policy bench's engine model) on
 the same sessions and arrivals, with the same KV pool (blocks of 32 tokens, no host tier),
@@ -86,7 +88,7 @@ from services.cache.manager import CacheManager, ManagerConfig
 from services.engine.batching import MAX_NUM_SEQS, BatchSim
 from services.engine.cost import CostModel
 from services.programs.base import Prompt, TokenRun
-from services.scheduling import ProgressBook
+from services.scheduling import DEFAULT_SCHEDULING, PROGRAM_ORDER, ProgressBook
 from services.traces.continuum import from_continuum
 from services.traces.model import Trace, TraceSession
 from workers.engine_bridge.base import ActuationRefused
@@ -170,7 +172,8 @@ class Driver:
         self.actuator: VllmActuator | None = None
         self.control: VllmActuator | None = None
         # plas, manager+plas: each call's program-level priority, from the events it is fed.
-        self.book = ProgressBook() if mode in SCHEDULED else None
+        # On ranked pins, ranks that stay put: programs in the order they started (PROGRAM_ORDER).
+        self.book = ProgressBook(PROGRAM_ORDER if mode in HELD else DEFAULT_SCHEDULING) if mode in SCHEDULED else None
         self._seq = 0
 
     def session_id(self, s: TraceSession) -> str:

@@ -44,6 +44,15 @@ Two properties follow, and are why the priority is a time and not a level:
 memory at the price of a short prefill, while waiting behind a cold call risks the pin's TTL
 ending and the whole prompt being recomputed. Such a call goes ``warm_credit_ms`` ahead.
 
+**Programs in the order they started** (``PROGRAM_ORDER``: ``service_weight`` 0). An engine that
+holds memory in the programs' order (vLLM's ranked pins: a waiting call takes no context that a
+program ranked before it holds) needs ranks that stay put. With the attained-service term a
+program's rank moves back at each of its calls, so two programs that hold contexts pass each other
+in turn, and each one's next call takes the other's context: both recompute at every turn (in the
+simulator of ``bench.vllm_agents``' long regime, 2-3x the prompt tokens of ranks that stay put).
+Without it a program's priority is its start on the log's clock (every step's time is recorded:
+the ready time less the recorded age), the same at every call.
+
 Pure: times are parameters (seconds, the log's clock), no I/O.
 """
 
@@ -64,6 +73,7 @@ from services.session import SessionState
 
 __all__ = [
     "DEFAULT_SCHEDULING",
+    "PROGRAM_ORDER",
     "CallPriority",
     "ProgramProgress",
     "ProgressBook",
@@ -112,6 +122,9 @@ class SchedulingConfig:
 
 
 DEFAULT_SCHEDULING = SchedulingConfig()
+PROGRAM_ORDER = SchedulingConfig(service_weight=0.0)
+"""Programs first come first served (with the warm credit): for an engine with ranked pins (module
+docstring)."""
 
 
 @dataclass(frozen=True, slots=True)

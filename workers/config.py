@@ -15,7 +15,7 @@ import asyncpg
 
 from log import SharedLog
 from log.snapshots import SnapshotStore
-from services.scheduling import SchedulingConfig
+from services.scheduling import PROGRAM_ORDER, SchedulingConfig
 
 __all__ = ["add_snapshot_arguments", "default_mark_every", "log_namespace", "open_snapshot_store", "snapshot_url"]
 
@@ -69,9 +69,10 @@ async def open_snapshot_store(log: SharedLog, args: argparse.Namespace) -> Snaps
         return None
 
 
-SCHEDULING_MODES = ("plas", "off")
+SCHEDULING_MODES = ("plas", "programs", "off")
 """``--scheduling`` of the planner and the gateway: plas sends each engine request its program-level
-priority (``services.scheduling``), off sends none."""
+priority (``services.scheduling``), programs the same without the attained-service term (programs in
+the order they started, ``PROGRAM_ORDER``: what an engine with ranked pins needs), off sends none."""
 
 
 def scheduling_config(mode: str | None, *, default: str) -> SchedulingConfig | None:
@@ -81,4 +82,4 @@ def scheduling_config(mode: str | None, *, default: str) -> SchedulingConfig | N
     mode = mode or os.environ.get("AGENTLOG_SCHEDULING") or default
     if mode not in SCHEDULING_MODES:
         raise ValueError(f"AGENTLOG_SCHEDULING must be one of {', '.join(SCHEDULING_MODES)}, not {mode!r}")
-    return SchedulingConfig() if mode == "plas" else None
+    return {"plas": SchedulingConfig(), "programs": PROGRAM_ORDER}.get(mode)

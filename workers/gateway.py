@@ -353,7 +353,8 @@ class GatewayWorker(Worker):
             choices=SCHEDULING_MODES,
             default=None,
             help="plas: give each engine request its session's program-level priority, replacing the "
-            "client's (services.scheduling); off: pass the client's (default: AGENTLOG_SCHEDULING, else off: "
+            "client's (services.scheduling); programs: the same without the attained-service term (for "
+            "vLLM with --ranked-pins); off: pass the client's (default: AGENTLOG_SCHEDULING, else off: "
             "vLLM refuses a priority unless it runs --scheduling-policy priority)",
         )
 

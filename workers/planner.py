@@ -33,8 +33,10 @@ restore not applied yet), ``planner.before_restore``, ``planner.before_merge``
 **Program-level scheduling.** With ``--scheduling plas`` every engine request carries the call's
 ``priority`` (``services.scheduling``: its program's attained service on the critical path, from
 the folded log, as a virtual start time on the log's clock; lower is served first), which the
-simulated engine and vLLM (``--scheduling-policy priority``) serve by. Off by default on vLLM and
-OpenAI endpoints: vLLM refuses a non-zero priority unless its server runs with that policy.
+simulated engine and vLLM (``--scheduling-policy priority``) serve by; ``--scheduling programs``
+leaves out the attained-service term (programs in the order they started: the ranks a vLLM with
+ranked pins needs, ``services.scheduling.PROGRAM_ORDER``). Off by default on vLLM and OpenAI
+endpoints: vLLM refuses a non-zero priority unless its server runs with that policy.
 
 **Several engines** (``--engine ID=URL[,size=small|large]`` repeated, or ``AGENTLOG_ENGINES``;
 ``workers/engines/pool.py``): before each LLM call the planner picks a model size for the step
@@ -50,7 +52,7 @@ after a crash goes to the engine its last route names, which answers from its re
 ``--engine-url`` (the default) nothing is routed and nothing of this is appended.
 
 Run: ``python -m workers.planner [--log-url URL] --engine-url http://127.0.0.1:8100
-[--checkpoint-every N] [--snapshot-url postgresql://...] [--scheduling plas|off]
+[--checkpoint-every N] [--snapshot-url postgresql://...] [--scheduling plas|programs|off]
 [--engine ID=URL ... --router locality|least_loaded|round_robin]``.
 """
 
@@ -225,7 +227,8 @@ class PlannerWorker(SessionWorker):
             "--scheduling",
             choices=SCHEDULING_MODES,
             default=None,
-            help="plas: send each call's program-level priority (services.scheduling); off: none (default: "
+            help="plas: send each call's program-level priority (services.scheduling); programs: the same "
+            "without the attained-service term (for vLLM with --ranked-pins); off: none (default: "
             "AGENTLOG_SCHEDULING, else plas on the sim engine and off on vllm/openai)",
         )
 

@@ -11,7 +11,7 @@ import pytest
 from log import open_log
 from schemas import events as ev
 from services.programs.base import Prompt, TokenRun
-from services.scheduling import SchedulingConfig
+from services.scheduling import PROGRAM_ORDER, SchedulingConfig
 from workers.config import scheduling_config
 from workers.engines.chat import ChatEngine
 from workers.engines.http import HttpEngine
@@ -63,6 +63,7 @@ def test_ranked_pins_are_asked_of_the_scheduler_and_need_the_priority_policy(tmp
     ranked = VllmServerConfig(model="m", run_dir=tmp_path, python="python", scheduling_policy="priority",
                               ranked_pins=True)  # fmt: skip
     assert ranked.env()["AGENTLOG_VLLM_RANKED_PINS"] == "1"
+    assert ranked.endpoints()["AGENTLOG_SCHEDULING"] == "programs"  # ranks that stay put
     with pytest.raises(ValueError, match="ranked_pins needs scheduling_policy 'priority'"):
         VllmServerConfig(model="m", run_dir=tmp_path, python="python", ranked_pins=True)
 
@@ -85,8 +86,10 @@ def test_scheduling_defaults_mode_by_mode(monkeypatch: pytest.MonkeyPatch) -> No
     assert scheduling_config("off", default="plas") is None
     monkeypatch.setenv("AGENTLOG_SCHEDULING", "plas")
     assert scheduling_config(None, default="off") == SchedulingConfig()
+    monkeypatch.setenv("AGENTLOG_SCHEDULING", "programs")
+    assert scheduling_config(None, default="off") == PROGRAM_ORDER == SchedulingConfig(service_weight=0.0)
     monkeypatch.setenv("AGENTLOG_SCHEDULING", "sometimes")
-    with pytest.raises(ValueError, match="AGENTLOG_SCHEDULING must be one of plas, off, not 'sometimes'"):
+    with pytest.raises(ValueError, match="AGENTLOG_SCHEDULING must be one of plas, programs, off, not 'sometimes'"):
         scheduling_config(None, default="off")
 
 

@@ -141,6 +141,13 @@ class VllmServerConfig:
             raise ValueError("ranked_pins needs scheduling_policy 'priority' (pins are ranked by priority)")
 
     @property
+    def agentlog_scheduling(self) -> str:
+        """The ``--scheduling`` mode of the planner and the gateway that this server needs."""
+        if self.scheduling_policy != "priority":
+            return "off"
+        return "programs" if self.ranked_pins else "plas"
+
+    @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
@@ -226,8 +233,9 @@ class VllmServerConfig:
             "AGENTLOG_VLLM_KV_REPLAY": self.kv_replay,
             "AGENTLOG_VLLM_CONTROL": self.control,
             "AGENTLOG_VLLM_SCHEDULING_POLICY": self.scheduling_policy,
-            # The planner and the gateway send priorities only to a server that serves by them.
-            "AGENTLOG_SCHEDULING": "plas" if self.scheduling_policy == "priority" else "off",
+            # The planner and the gateway send priorities only to a server that serves by them, and
+            # to one with ranked pins ranks that stay put (services.scheduling.PROGRAM_ORDER).
+            "AGENTLOG_SCHEDULING": self.agentlog_scheduling,
         }
 
 
