@@ -10,7 +10,7 @@ from schemas.events import CacheDecisionMade, SessionId
 from services.cache.manager import CacheManager
 from services.engine.batching import BatchSim
 from services.engine.cost import CostModel
-from services.engine.serial import Sim
+from services.engine.serial import Sess, Sim
 from services.traces.model import Trace, TraceSession, TraceTurn
 
 
@@ -111,3 +111,28 @@ def test_vllm_plas_hold_computes_fewer_prompts_and_never_forces_a_release() -> N
     plas = BatchSim(trace, VllmPlas(), gpu_blocks=60, host_blocks=0, cost=CostModel()).run()
     assert len(held.jct) == 12 and (held.swapped_out_blocks, held.forced, held.refused) == (0, 0, 0)
     assert held.computed_tokens < plas.computed_tokens == 12 * (200 + 270 + 330)
+
+
+def test_vllm_plas_hold_ranks_each_program_by_its_start_at_every_call() -> None:
+    # Ranked pins need ranks that stay put: with the attained-service term a program's rank moves
+    # back at each call and two programs holding contexts take each other's in turn. Every step's
+    # time is on the log, so the ready time less the recorded age is the program's arrival.
+    turns = (TraceTurn(200, 20, "search", 1.0, 40), TraceTurn(10, 30, "t", 2.0, 20), TraceTurn(10, 5))
+    trace = Trace(tuple(TraceSession(f"s{i}", "test", 0.05 * i, turns) for i in range(12)))
+    held = VllmPlasHold()
+    ranks: dict[str, list[float]] = {}
+    priority = held.priority
+
+    def recording(s: Sess, now: float) -> float | None:
+        value = priority(s, now)
+        assert value is not None
+        ranks.setdefault(s.sid, []).append(value)
+        return value
+
+    held.priority = recording  # type: ignore[method-assign]
+    m = BatchSim(trace, held, gpu_blocks=60, host_blocks=0, cost=CostModel()).run()
+    assert len(m.jct) == 12
+    for i in range(12):
+        values = ranks[f"s{i}"]
+        assert len(values) >= 3  # each call ranked (a call waiting for room is ranked again)
+        assert max(values) - min(values) <= 1 and abs(values[0] - 50 * i) <= 1  # ms: its arrival

@@ -12,6 +12,7 @@ import pytest
 from schemas import events as ev
 from services.scheduling import (
     DEFAULT_SCHEDULING,
+    PROGRAM_ORDER,
     ProgramProgress,
     ProgressBook,
     SchedulingConfig,
@@ -72,6 +73,16 @@ def test_least_attained_service_goes_first_at_the_same_age() -> None:
     heavy = call_priority(100.0, ProgramProgress(attained_ms=9_000.0, elapsed_ms=20_000.0))
     assert light < heavy
     assert heavy - light == round(DEFAULT_SCHEDULING.service_weight * 8_000)
+
+
+def test_program_order_ranks_a_program_by_its_start_whatever_it_attained() -> None:
+    # PROGRAM_ORDER (an engine with ranked pins): a program that started at 10 s ranks 10,000 at
+    # every call, ahead of one that started at 12 s however much engine time it has had.
+    first = [call_priority(10.0 + e / 1000, ProgramProgress(a, e), config=PROGRAM_ORDER)
+             for a, e in ((0, 0), (4_000, 9_000), (40_000, 90_000))]  # fmt: skip
+    assert first == [10_000, 10_000, 10_000]
+    assert call_priority(12.0, ProgramProgress(), config=PROGRAM_ORDER) > first[-1]
+    assert PROGRAM_ORDER.service_weight == 0 and PROGRAM_ORDER.warm_credit_ms == DEFAULT_SCHEDULING.warm_credit_ms
 
 
 def test_terms_are_capped() -> None:
