@@ -88,9 +88,10 @@ from services.cache.manager import CacheManager, ManagerConfig
 from services.engine.batching import MAX_NUM_SEQS, BatchSim
 from services.engine.cost import CostModel
 from services.programs.base import Prompt, TokenRun
-from services.scheduling import DEFAULT_SCHEDULING, PROGRAM_ORDER, ProgressBook
+from services.scheduling import ProgressBook
 from services.traces.continuum import from_continuum
 from services.traces.model import Trace, TraceSession
+from workers.config import scheduling_config
 from workers.engine_bridge.base import ActuationRefused
 from workers.engine_bridge.vllm import VllmActuator, VllmKVSource
 from workers.engines.vllm.server import VllmServer, VllmServerConfig, repo_root
@@ -172,8 +173,10 @@ class Driver:
         self.actuator: VllmActuator | None = None
         self.control: VllmActuator | None = None
         # plas, manager+plas: each call's program-level priority, from the events it is fed.
-        # On ranked pins, ranks that stay put: programs in the order they started (PROGRAM_ORDER).
-        self.book = ProgressBook(PROGRAM_ORDER if mode in HELD else DEFAULT_SCHEDULING) if mode in SCHEDULED else None
+        # The planner's --scheduling for this mode: on ranked pins, ranks that stay put (programs).
+        scheduling = "off" if mode not in SCHEDULED else "programs" if mode in HELD else "plas"
+        config = scheduling_config(scheduling, default="off")
+        self.book = ProgressBook(config) if config is not None else None
         self._seq = 0
 
     def session_id(self, s: TraceSession) -> str:

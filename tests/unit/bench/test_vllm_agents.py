@@ -1,11 +1,13 @@
-"""The real-vLLM bench's cost-model calibration (pure: speeds in, a cost model out)."""
+"""The real-vLLM bench: its cost-model calibration (pure: speeds in, a cost model out) and the
+priorities each mode sends."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.vllm_agents import Speeds, calibrated
+from bench.vllm_agents import MODES, Driver, Speeds, calibrated
 from services.engine.cost import CostModel
+from services.scheduling import DEFAULT_SCHEDULING, PROGRAM_ORDER
 
 pytestmark = pytest.mark.unit
 
@@ -56,3 +58,13 @@ def test_noise_never_makes_a_term_negative_or_a_sequence_cost_more_than_its_step
     assert all(getattr(fitted, name) >= 0 for name in FIELDS)
     assert fitted.decode_ms_per_sequence <= fitted.decode_ms_per_token
     assert fitted.decode_ms_per_context_token == 0.0
+
+
+def test_each_mode_ranks_calls_as_the_planner_would_on_its_server() -> None:
+    # plas+hold runs on ranked pins, whose server announces --scheduling programs (ranks that stay
+    # put); the other scheduled modes send plas priorities; the rest send none.
+    configs = {mode: Driver(mode, "http://engine", None, 1.0).book for mode in MODES}  # type: ignore[arg-type]
+    assert {m: b.config if b else None for m, b in configs.items()} == {
+        "vllm": None, "manager": None, "plas": DEFAULT_SCHEDULING, "manager+plas": DEFAULT_SCHEDULING,
+        "plas+hold": PROGRAM_ORDER,
+    }  # fmt: skip
