@@ -78,6 +78,7 @@ class Ours(SimManager):
                 host_total_blocks=cache.num_host_blocks,
                 block_size=cache.block_size,
                 engine_id=ENGINE_ID,
+                ranked_pins=self.ranked_pins,
             )
             self._manager = CacheManager(config, CachePolicy(cost=self.sim.cost))
         return self._manager
@@ -187,32 +188,54 @@ class Ours(SimManager):
 
     def make_room(self, needed: int, now: float, requester: Sess) -> bool:
         self._kv_events(now)
-        relieved = self.sim.control.relieve(requester.sid)
+        control = self.sim.control
+        # On ranked pins a waiting call takes no pin of a program ranked ahead; a running call's growth takes any.
+        growing = isinstance(self.sim, BatchSim) and requester.sid in self.sim.running
+        rank = None if growing or not control.ranked else control.ranks[requester.sid]
+        relieved = control.relieve(requester.sid, rank=rank)
         if relieved is None:
             return False
         self.sim.moved_to_host(relieved.session_id, relieved.swapped_blocks, now)  # as the sim server: charged
         return True
 
+    def waits(self, requester: Sess, now: float) -> bool:
+        control = self.sim.control
+        return control.ranked and control.held_ahead(requester.sid, control.ranks[requester.sid])
+
 
 class OursPlas(Ours):
-    """``ours`` plus program-level scheduling (``services.scheduling``): every call is queued at the
-    priority the planner would send, computed from the same log: its session's progress (the
-    ``LLMCallCompleted`` records' engine and queueing time and the ``ToolCallCompleted`` durations;
-    trace sessions have no parallel branches, so the critical path is the session) and whether the
-    cache manager's last decision for it still preserves its KV (``CacheDecisionMade``). The engine
-    model serves by priority."""
+    """``ours`` plus program-level scheduling (``services.scheduling``) on an engine with ranked
+    pins: every call is queued at the priority the planner would send, computed from the same
+    log: its session's progress (the ``LLMCallCompleted`` records' engine and queueing time and
+    the ``ToolCallCompleted`` durations; trace sessions have no parallel branches, so the critical
+    path is the session) and whether the cache manager's last decision for it still preserves its
+    KV (``CacheDecisionMade``). The engine model serves by priority, and its pins rank by it
+    (``CacheControl(ranked=True)``, as a vLLM server with ``--ranked-pins``): a call that does not
+    fit takes no pin of a program ranked ahead of it, the valve moves or releases the pin of the
+    program ranked last first, and the manager leaves memory pressure to that valve
+    (``ManagerConfig.ranked_pins``). The priorities are ``PROGRAM_ORDER``'s, as a ranked-pins
+    server asks the planner for (ranks that stay put: with the attained-service term two programs
+    take each other's context in turn)."""
 
     name = "ours+plas"
+    ranked_pins = True
 
     def __init__(self, config: SchedulingConfig | None = None) -> None:
         super().__init__()
-        self.book = ProgressBook(config or SchedulingConfig())
+        self.book = ProgressBook(config or PROGRAM_ORDER)
 
     def logged(self, sid: SessionId, body: Model, now: float) -> None:
         self.book.logged(sid, body, now)
 
     def priority(self, s: Sess, now: float) -> float | None:
-        return self.book.priority(s.sid, now)
+        value = self.book.priority(s.sid, now)
+        if value is not None:
+            self.sim.control.rank(s.sid, value)
+        return value
+
+    def on_finish(self, s: Sess, now: float) -> None:
+        super().on_finish(s, now)
+        self.sim.control.forget(s.sid)
 
 
 class VllmPlas(OursPlas):
@@ -223,6 +246,10 @@ class VllmPlas(OursPlas):
     manager's."""
 
     name = "vllm+plas"
+    ranked_pins = False  # stock vLLM's scheduler: priorities, no ranked pins
+
+    def __init__(self, config: SchedulingConfig | None = None) -> None:
+        super().__init__(config or SchedulingConfig())
 
     def _fold(self, sid: SessionId, body: Model, now: float) -> None:
         self.num_events += 1

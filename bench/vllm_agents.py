@@ -39,7 +39,10 @@ vLLM server (``workers.engine_bridge.vllm.VllmKVSource``), its decisions carried
 and releases under pressure in its ranking. Its clock is trace time (wall / time scale).
 ``manager+plas``: the same, and each call carries its program-level priority
 (``services.scheduling``, computed as the planner does: its program's recorded progress, the
-warm credit while a PRESERVE holds its KV). The server then runs ``--scheduling-policy
+warm credit while a PRESERVE holds its KV), on a server with ranked pins (below), whose valve
+gives contexts up in the programs' order: the manager knows it (``ManagerConfig.ranked_pins``:
+no room kept ahead, no release of its own under pressure) and the priorities are
+``PROGRAM_ORDER``'s, as for ``plas+hold``. The server then runs ``--scheduling-policy
 priority``; the other modes send no priority, which vLLM serves first come first served.
 ``plas`` (run it with ``--modes``): the priorities without the cache manager, which tells the
 scheduling's share of a gain from the manager's. ``plas+hold`` (with ``--modes``): the priorities,
@@ -103,6 +106,7 @@ DEFAULT_MODES = ("vllm", "manager", "manager+plas")  # issue 16's three; plas te
 MANAGED = frozenset({"manager", "manager+plas"})  # modes that run the cache manager
 SCHEDULED = frozenset({"plas", "manager+plas", "plas+hold"})  # modes whose calls carry their program-level priority
 HELD = frozenset({"plas+hold"})  # modes whose calls hold their KV until the session's next call (ranked pins)
+RANKED = frozenset({"manager+plas", "plas+hold"})  # modes that need a server with ranked pins
 HOLD_S = 600.0  # a held context's TTL, wall seconds: far past any tool gap here (a finished session's is released)
 # The simulator's name of each mode.
 SIM_POLICY = {
@@ -174,7 +178,7 @@ class Driver:
         self.control: VllmActuator | None = None
         # plas, manager+plas: each call's program-level priority, from the events it is fed.
         # The planner's --scheduling for this mode: on ranked pins, ranks that stay put (programs).
-        scheduling = "off" if mode not in SCHEDULED else "programs" if mode in HELD else "plas"
+        scheduling = "off" if mode not in SCHEDULED else "programs" if mode in RANKED else "plas"
         config = scheduling_config(scheduling, default="off")
         self.book = ProgressBook(config) if config is not None else None
         self._seq = 0
@@ -320,7 +324,9 @@ async def run_mode(mode: str, trace: Trace, endpoints: dict[str, str], blocks: i
         source = None
         if mode in MANAGED:
             driver.manager = CacheManager(
-                ManagerConfig(gpu_total_blocks=blocks - 1, block_size=32, engine_id=ENGINE_ID)
+                ManagerConfig(
+                    gpu_total_blocks=blocks - 1, block_size=32, engine_id=ENGINE_ID, ranked_pins=mode in RANKED
+                )
             )
             driver.actuator = VllmActuator(ENGINE_ID, endpoints["control"])
             source = VllmKVSource(ENGINE_ID, endpoints["kv_events"], endpoints["kv_replay"])
@@ -580,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             # 2 cores, half the machine (a 2,048-token prefill of the long model: 18.8 s bound to one
             # core, 8.7-9.5 s unbound). Unbound, the model uses both (vLLM ignores it on a GPU).
             extra_env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
-            ranked_pins=bool(HELD & set(args.modes)),
+            ranked_pins=bool(RANKED & set(args.modes)),
         )  # fmt: skip
         began = time.monotonic()
         server = VllmServer(config).start()

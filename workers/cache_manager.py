@@ -223,6 +223,14 @@ class CacheManagerWorker(Worker):
             default=None,
             help="blocks pins leave free (default: the largest call seen without a host tier, 0 with one)",
         )
+        parser.add_argument(
+            "--ranked-pins",
+            action=argparse.BooleanOptionalAction,
+            default=env("AGENTLOG_CACHE_RANKED_PINS", "0") == "1",
+            help="the engine ranks pins by program (vLLM's --ranked-pins): keep no room ahead and, under "
+            "pressure, only swap; the engine's valve gives contexts up (default: AGENTLOG_CACHE_RANKED_PINS, "
+            "which the vLLM launcher announces)",
+        )
         parser.add_argument("--engine-id", default=env("AGENTLOG_ENGINE_ID", "sim-0"))
         parser.add_argument(
             "--engines",
@@ -249,6 +257,7 @@ class CacheManagerWorker(Worker):
             block_size=args.block_size,
             engine_id=args.engine_id,
             headroom_blocks=args.headroom_blocks,
+            ranked_pins=args.ranked_pins,
         )
         return cls(
             log,

@@ -56,6 +56,9 @@ events after a restart appends nothing twice):
   competes like the others; its eviction is a second decision of the same trigger, kind
   ``pressure``). Decisions reach the engine through the log, after the planner has sent
   the call: room has to be kept ahead of the call, not made when it starts.
+  **Ranked pins** (``ManagerConfig.ranked_pins``): no headroom, and pressure only moves pins
+  to the host (SWAP); a pin it would RELEASE stays, and the engine's valve gives it up when a
+  call needs the room, in the programs' order.
 - ``ttl``: when the log's time passes a PRESERVE's (or a PREFETCH's) TTL end, that
   session is decided again, as of the time of the event that passed it (the trigger is
   the PRESERVE decision's event id).
@@ -171,7 +174,15 @@ class ManagerConfig:
     seen so far (``need`` of an ``LLMCallStarted``) on an engine without a host tier, whose
     pressure valve can only release a pin (its KV is then recomputed); none with a host tier,
     whose valve moves the lowest-ranked pin there when a call needs the room
-    (``services.engine.control``): room kept ahead would move pins that no call needs moved."""
+    (``services.engine.control``): room kept ahead would move pins that no call needs moved;
+    none with ``ranked_pins``."""
+    ranked_pins: bool = False
+    """The engine ranks pins by program (vLLM's ``--ranked-pins``, ``services.engine.control``'s
+    ``ranked``): its valve gives up a context when a call needs the room, the program served
+    last first, and a call waits rather than take the context of a program ranked ahead. The
+    manager then keeps no room ahead, and under pressure it only moves pins to the host tier
+    (SWAP, off the calls' critical path); it releases none: by score it would give up contexts
+    of the programs the engine serves first. Its gap, TTL and re-look decisions are unchanged."""
     forget_after_s: float = 3600.0
     """How long (manager seconds) a forgotten session's tombstone stays: its late events are
     recognised as such until then (see the module docstring)."""
@@ -463,7 +474,9 @@ class CacheManager:
         h = self.config.headroom_blocks
         if h is not None:
             return h
-        return self._max_need if self.config.host_total_blocks == 0 else 0
+        if self.config.ranked_pins or self.config.host_total_blocks > 0:
+            return 0  # the engine's valve makes a call's room when it needs it
+        return self._max_need
 
     def _decide(self, trigger_id: str, kind: str, sid: SessionId, s: _Session, now: float, out: list[Decided]) -> None:
         if s.hold is Hold.ACTIVE:
@@ -503,8 +516,10 @@ class CacheManager:
     def _evict(self, trigger_id: str, now: float, out: list[Decided], *, reserve: int) -> None:
         """Evict pinned sessions, lowest score first, until ``reserve`` blocks are free, each by
         the policy's one eviction rule (``CachePolicy.evict``): SWAP, displacing host residents
-        worth less when the host is full (their DISCARDs first), or RELEASE."""
+        worth less when the host is full (their DISCARDs first), or RELEASE. On an engine with
+        ranked pins only the SWAPs: a pin the rule would release stays, for the engine's valve."""
         delays = self.delays()
+        kept: list[tuple[float, SessionId, int]] = []  # candidates left to the engine's valve (ranked pins)
         residents: RankedResidents | None = None
 
         def host_residents() -> RankedResidents:
@@ -515,20 +530,29 @@ class CacheManager:
 
         try:
             while self.gpu_used + reserve > self.config.gpu_total_blocks and self._candidates:
-                _, sid, version = heapq.heappop(self._candidates)
+                entry = heapq.heappop(self._candidates)
+                _, sid, version = entry
                 s = self._sessions.get(sid)
                 if s is None or s.version != version or s.hold is not Hold.PINNED:
                     continue  # stale: the session's hold changed since it was pushed
                 view = self.view(sid)
                 host_free = max(0, self.config.host_total_blocks - self.host_used)
                 score = self.policy.score(view, now, host_free, delays)
-                for decision in self.policy.evict(view, score, now, host_free, delays, host_residents):
+                made = self.policy.evict(view, score, now, host_free, delays, host_residents)
+                if self.config.ranked_pins and made[-1].action is CacheAction.RELEASE:
+                    # Given up by score, it could be the context of the program served next; the
+                    # engine's valve gives contexts up when a call needs the room, in the programs' order.
+                    kept.append(entry)
+                    continue
+                for decision in made:
                     target = s if decision.session_id == sid else self._sessions[decision.session_id]
                     self._record(
                         Decided(decision_event_id(trigger_id, "pressure", decision.session_id), trigger_id,
                                 "pressure", now, decision), target, out,
                     )  # fmt: skip
         finally:
+            for entry in kept:
+                heapq.heappush(self._candidates, entry)
             if residents is not None:
                 self._residents.thaw()
 

@@ -19,6 +19,16 @@ back in instead of recomputing them; the engine pays the transfer), and releases
 otherwise (the blocks stay cached, LRU-evictable, and are usually lost). Moving only when a
 call needs the room, and only the lowest-ranked pin, is what lets the cache manager leave no
 room ahead of calls on an engine with a host tier (``ManagerConfig.headroom_blocks``).
+
+**Ranked pins** (``ranked=True``, as vLLM's ``--ranked-pins``, ``workers.engines.vllm.pins``):
+each session also has a rank, the priority of its newest call (``rank``; lower is served
+first). A waiting call of rank ``r`` may take only the unranked pins and those ranked ``r`` or
+later (``relieve(..., rank=r)``), and waits while a program ranked ahead of it holds what it
+needs (``held_ahead``) instead of taking its context; a running call's growth may take any.
+Pins go in the programs' order: unranked first, then the program ranked last, the score
+breaking ties. The cache manager then leaves memory pressure to this valve
+(``ManagerConfig.ranked_pins``): a program's context is given up when a call needs the room,
+by the program served last, not ahead of time by a score that does not know the order.
 """
 
 from __future__ import annotations
@@ -44,11 +54,35 @@ class Relieved:
 
 
 class CacheControl:
-    """Carries cache decisions out on ``cache`` and keeps the score of every pin it made."""
+    """Carries cache decisions out on ``cache`` and keeps the score of every pin it made (and,
+    with ``ranked``, every session's rank)."""
 
-    def __init__(self, cache: PagedKVCache) -> None:
+    def __init__(self, cache: PagedKVCache, *, ranked: bool = False) -> None:
         self.cache = cache
+        self.ranked = ranked
         self.pin_scores: dict[SessionId, float] = {}  # session -> the score of the decision that pinned it
+        self.ranks: dict[SessionId, float] = {}  # session -> its newest call's priority (ranked pins only)
+
+    def rank(self, session_id: SessionId, priority: float) -> None:
+        """A call of the session arrived with ``priority``: its pins rank there from now on."""
+        if self.ranked:
+            self.ranks[session_id] = priority
+
+    def forget(self, session_id: SessionId) -> None:
+        """The session ended: no rank, no score."""
+        self.ranks.pop(session_id, None)
+        self.pin_scores.pop(session_id, None)
+
+    def held_ahead(self, exclude: SessionId, rank: float) -> bool:
+        """A pin of a program ranked ahead of ``rank`` is held (by a session other than
+        ``exclude``): on an engine with ranked pins, a call that does not fit waits for it."""
+        if not self.ranked:
+            return False
+        cache, ranks = self.cache, self.ranks
+        return any(
+            sid != exclude and cache.blocks_of(sid).pinned and ranks.get(sid, math.inf) < rank
+            for sid in cache.session_ids()
+        )
 
     def apply(
         self, session_id: SessionId, action: CacheAction, *, now: float, ttl_s: float | None, score: float
@@ -76,20 +110,28 @@ class CacheControl:
             self.pin_scores[session_id] = score
         return blocks
 
-    def relieve(self, exclude: SessionId) -> Relieved | None:
+    def relieve(self, exclude: SessionId, *, rank: float | None = None) -> Relieved | None:
         """The pressure valve: take the pin ranked lowest (module docstring) of a session other
         than ``exclude``, moving its blocks to the host tier when they fit there, else releasing
-        it; None when no other session is pinned."""
-        cache = self.cache
+        it; None when no other session's pin may be taken. ``rank``: the waiting call's, on an
+        engine with ranked pins (None: a running call's growth, or no ranks)."""
+        cache, ranks = self.cache, self.ranks
         pinned = [(sid, cache.blocks_of(sid)) for sid in cache.session_ids() if sid != exclude]
-        ranked = sorted(
-            (self.pin_scores.get(sid, 0.0), blocks.pin_until if blocks.pin_until is not None else math.inf, sid, blocks)
+        order = sorted(
+            (
+                # The programs' order first on a ranked engine: unranked, then the one ranked last.
+                -ranks.get(sid, math.inf) if self.ranked else 0.0,
+                self.pin_scores.get(sid, 0.0),
+                blocks.pin_until if blocks.pin_until is not None else math.inf,
+                sid,
+                blocks,
+            )
             for sid, blocks in pinned
-            if blocks.pinned
+            if blocks.pinned and (rank is None or not self.ranked or ranks.get(sid, math.inf) >= rank)
         )
-        if not ranked:
+        if not order:
             return None
-        score, _, victim, blocks = ranked[0]
+        _, score, _, victim, blocks = order[0]
         swapped = 0
         # A running call's blocks stay where the call needs them; without host room for them
         # (OutOfBlocks, nothing changed) the pin is released instead.

@@ -115,6 +115,9 @@ class SimManager:
 
     name = "base"
     sim: Sim
+    ranked_pins = False
+    """The engine ranks its pins by program (``CacheControl(ranked=True)``): the manager tells it
+    each call's priority (``priority``) and makes room through its ranked valve."""
 
     def on_ready(self, s: Sess, now: float) -> None:
         pass
@@ -164,7 +167,8 @@ class Sim:
         self.cost = cost
         self.bs = cost.block_size
         self.cache = PagedKVCache(self.bs, gpu_blocks, host_blocks)
-        self.control = CacheControl(self.cache)  # the sim server's mapping of a decision to the cache's verbs
+        # the sim server's mapping of a decision to the cache's verbs, and its pressure valve
+        self.control = CacheControl(self.cache, ranked=manager.ranked_pins)
         self.manager = manager
         self.latency = ToolLatencyModel(prior_mean_s=5.0)
         self.sessions = {SessionId(s.session_id): Sess(s, SessionId(s.session_id)) for s in trace}

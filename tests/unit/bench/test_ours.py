@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.ours import Ours, VllmPlas, VllmPlasHold
+from bench.ours import Ours, OursPlas, VllmPlas, VllmPlasHold
 from schemas.events import CacheDecisionMade, SessionId
 from services.cache.manager import CacheManager
 from services.engine.batching import BatchSim
@@ -81,6 +81,29 @@ def test_a_call_that_does_not_fit_takes_the_lowest_scored_pin(engine: type[Sim])
     m = engine(trace, Ours(), gpu_blocks=60, host_blocks=0, cost=CostModel()).run()
     assert len(m.jct) == 12
     assert (m.swapped_out_blocks, m.refused, m.forced) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("host_blocks", [0, 60])
+def test_ours_plas_ranks_its_pins_and_leaves_releases_to_the_engines_valve(host_blocks: int) -> None:
+    # ours+plas runs on an engine with ranked pins (the priorities its planner sends rank each
+    # session's pins) and the manager knows it: under pressure it may swap, it never releases.
+    # Calls wait for programs ranked ahead rather than take their contexts, and still every
+    # session finishes without a forced release of all pins.
+    turns = (TraceTurn(200, 20, "search", 1.0, 40), TraceTurn(10, 30, "t", 2.0, 20), TraceTurn(10, 5))
+    trace = Trace(tuple(TraceSession(f"s{i}", "test", 0.05 * i, turns) for i in range(12)))
+    ours = OursPlas()
+    sim = BatchSim(trace, ours, gpu_blocks=60, host_blocks=host_blocks, cost=CostModel())
+    carried = _recorded(sim)
+    m = sim.run()
+    assert sim.control.ranked and ours.manager.config.ranked_pins
+    assert len(m.jct) == 12 and (m.forced, m.refused) == (0, 0)
+    assert "RELEASE" not in {action for _, action in carried}
+    assert ("SWAP" in {action for _, action in carried}) == (host_blocks > 0)
+    assert sim.control.ranks == {}  # a finished session's rank goes with it
+    unranked = BatchSim(trace, Ours(), gpu_blocks=60, host_blocks=host_blocks, cost=CostModel())
+    carried = _recorded(unranked)
+    unranked.run()
+    assert not unranked.control.ranked and "RELEASE" in {action for _, action in carried}
 
 
 def test_vllm_plas_follows_each_programs_progress_and_decides_nothing() -> None:

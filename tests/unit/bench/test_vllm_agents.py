@@ -61,10 +61,10 @@ def test_noise_never_makes_a_term_negative_or_a_sequence_cost_more_than_its_step
 
 
 def test_each_mode_ranks_calls_as_the_planner_would_on_its_server() -> None:
-    # plas+hold runs on ranked pins, whose server announces --scheduling programs (ranks that stay
-    # put); the other scheduled modes send plas priorities; the rest send none.
+    # manager+plas and plas+hold run on ranked pins, whose server announces --scheduling programs
+    # (ranks that stay put); plas sends plas priorities; the rest send none.
     configs = {mode: Driver(mode, "http://engine", None, 1.0).book for mode in MODES}  # type: ignore[arg-type]
     assert {m: b.config if b else None for m, b in configs.items()} == {
-        "vllm": None, "manager": None, "plas": DEFAULT_SCHEDULING, "manager+plas": DEFAULT_SCHEDULING,
+        "vllm": None, "manager": None, "plas": DEFAULT_SCHEDULING, "manager+plas": PROGRAM_ORDER,
         "plas+hold": PROGRAM_ORDER,
     }  # fmt: skip

@@ -8,6 +8,7 @@ kv.decisions partition (see workers/cache_manager.py).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import pytest
@@ -200,3 +201,19 @@ def test_a_polls_partitions_are_folded_in_time_order_each_in_offset_order() -> N
     backwards = [LoggedEvent(Position("kv.events", 2, i), e.envelope) for i, e in enumerate(gap("c", 0, 9.0)[::-1])]
     merged = list(in_time_order(late + backwards))
     assert [e.position.offset for e in merged if e.position.topic == "kv.events"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "ranked"), [([], "0", False), ([], "1", True), (["--no-ranked-pins"], "1", False)]
+)
+def test_the_worker_knows_an_engine_with_ranked_pins_from_the_launchers_announcement(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], env: str, ranked: bool
+) -> None:
+    monkeypatch.setenv("AGENTLOG_CACHE_RANKED_PINS", env)  # what the vLLM launcher's endpoints() announce
+    parser = argparse.ArgumentParser()
+    CacheManagerWorker.add_arguments(parser)
+    parser.add_argument("--group", default="g")
+    parser.add_argument("--instance-id", default=None)
+    args = parser.parse_args(argv)
+    w = asyncio.run(CacheManagerWorker.create(memory_log(1, None), args))
+    assert w.config.ranked_pins is ranked

@@ -64,6 +64,10 @@ def test_ranked_pins_are_asked_of_the_scheduler_and_need_the_priority_policy(tmp
                               ranked_pins=True)  # fmt: skip
     assert ranked.env()["AGENTLOG_VLLM_RANKED_PINS"] == "1"
     assert ranked.endpoints()["AGENTLOG_SCHEDULING"] == "programs"  # ranks that stay put
+    assert ranked.endpoints()["AGENTLOG_CACHE_RANKED_PINS"] == "1"  # the manager leaves releases to the valve
+    assert (
+        VllmServerConfig(model="m", run_dir=tmp_path, python="python").endpoints()["AGENTLOG_CACHE_RANKED_PINS"] == "0"
+    )
     with pytest.raises(ValueError, match="ranked_pins needs scheduling_policy 'priority'"):
         VllmServerConfig(model="m", run_dir=tmp_path, python="python", ranked_pins=True)
 

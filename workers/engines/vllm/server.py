@@ -236,6 +236,8 @@ class VllmServerConfig:
             # The planner and the gateway send priorities only to a server that serves by them, and
             # to one with ranked pins ranks that stay put (services.scheduling.PROGRAM_ORDER).
             "AGENTLOG_SCHEDULING": self.agentlog_scheduling,
+            # The cache manager leaves giving contexts up to a ranked-pins server's valve.
+            "AGENTLOG_CACHE_RANKED_PINS": "1" if self.ranked_pins else "0",
         }
 
 

@@ -17,8 +17,10 @@ pytestmark = pytest.mark.unit
 class Feed:
     """Builds events for one manager and remembers their ids."""
 
-    def __init__(self, *, gpu: int = 100, host: int = 0, headroom: int | None = 0) -> None:
-        config = ManagerConfig(gpu_total_blocks=gpu, host_total_blocks=host, headroom_blocks=headroom)
+    def __init__(self, *, gpu: int = 100, host: int = 0, headroom: int | None = 0, ranked_pins: bool = False) -> None:
+        config = ManagerConfig(
+            gpu_total_blocks=gpu, host_total_blocks=host, headroom_blocks=headroom, ranked_pins=ranked_pins
+        )
         self.manager = CacheManager(config)
         self.ids = itertools.count()
         self.last_id = ""
@@ -152,6 +154,31 @@ def test_with_a_host_tier_a_preserve_keeps_no_room_ahead() -> None:
     assert feed.manager.gpu_used == 70 and feed.manager.hold(SessionId("c")) is Hold.PINNED
     # A headroom given is kept whatever the tiers.
     assert Feed(gpu=100, host=100, headroom=40).manager.headroom == 40
+
+
+def test_on_ranked_pins_pressure_only_swaps_and_keeps_no_room_ahead() -> None:
+    # The engine's valve gives contexts up in the programs' order (services.engine.control):
+    # of the pressure below (as in the test after this one), the manager makes only the swap.
+    feed = Feed(gpu=100, host=25, headroom=None, ranked_pins=True)
+    for sid, at, prompt in (("a", 0.0, 304), ("b", 1.0, 624), ("c", 2.0, 144)):
+        assert feed.pinned(sid, at, prompt).decision.action is CacheAction.PRESERVE
+    assert feed.manager.headroom == 0
+    # a (20 blocks, the lowest score) goes to the host; c (10) would then be released, not fitting
+    # in the 5 left, and b (40) too: both stay.
+    assert actions(feed.llm("d", 3.0, 944)) == [("a", CacheAction.SWAP, "pressure")]
+    assert feed.manager.hold(SessionId("c")) is Hold.PINNED and feed.manager.hold(SessionId("b")) is Hold.PINNED
+    # The pins it left stay candidates: a's next call brings it back from the host, and the
+    # pressure of that call swaps c into the room a left.
+    assert actions(feed.llm("a", 4.0, 304)) == [("c", CacheAction.SWAP, "pressure")]
+    assert feed.manager.host_used == 10 and feed.manager.hold(SessionId("b")) is Hold.PINNED
+
+
+def test_without_a_host_tier_ranked_pins_release_nothing_under_pressure() -> None:
+    feed = Feed(gpu=100, headroom=None, ranked_pins=True)
+    for sid, at, prompt in (("a", 0.0, 304), ("b", 1.0, 624), ("c", 2.0, 144)):
+        feed.pinned(sid, at, prompt)
+    assert feed.llm("d", 3.0, 944) == []  # 130 blocks of 100: the engine's valve decides
+    assert all(feed.manager.hold(SessionId(sid)) is Hold.PINNED for sid in "abc")
 
 
 def test_under_pressure_a_victim_is_swapped_while_the_host_has_room() -> None:

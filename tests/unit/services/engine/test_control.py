@@ -75,6 +75,47 @@ def test_without_host_room_the_valve_releases_the_pin() -> None:
     cache.check_invariants()
 
 
+def test_ranked_pins_go_in_the_programs_order_and_a_waiting_call_takes_none_ranked_ahead() -> None:
+    cache = _cache()
+    turn(cache, C, list(range(200, 208)))
+    control = CacheControl(cache, ranked=True)
+    for sid, rank, score in ((A, 1.0, 1.0), (B, 3.0, 9.0), (C, 2.0, 5.0)):
+        control.rank(sid, rank)
+        control.apply(sid, CacheAction.PRESERVE, now=0.0, ttl_s=None, score=score)
+    # A call ranked 2.5 may take only B's (ranked after it), whatever the scores say; it waits
+    # for A's and C's.
+    assert control.held_ahead(C, 2.5) and not control.held_ahead(A, 1.0)
+    assert control.relieve(exclude=C, rank=2.5) == Relieved(B, 9.0, 2)
+    assert control.relieve(exclude=C, rank=2.5) is None
+    # A running call's growth (no rank) takes any: the program ranked last first.
+    assert control.relieve(exclude=B, rank=None) == Relieved(C, 5.0, 2)
+    assert control.relieve(exclude=B, rank=None) == Relieved(A, 1.0, 2)
+    cache.check_invariants()
+
+
+def test_unranked_pins_go_first_and_a_finished_session_loses_its_rank() -> None:
+    cache = _cache()
+    turn(cache, C, list(range(200, 208)))
+    control = CacheControl(cache, ranked=True)
+    control.rank(A, 5.0)
+    control.rank(C, 1.0)
+    for sid in (A, B, C):
+        control.apply(sid, CacheAction.PRESERVE, now=0.0, ttl_s=None, score=1.0)
+    assert control.relieve(exclude=C, rank=1.0) == Relieved(B, 1.0, 2)  # B never sent a call here: unranked
+    control.forget(C)
+    assert C not in control.ranks and not control.held_ahead(A, 5.0)  # C's pin is unranked now
+
+
+def test_without_ranked_pins_ranks_are_ignored() -> None:
+    cache = _cache()
+    control = CacheControl(cache)
+    control.rank(A, 1.0)  # not recorded
+    control.apply(A, CacheAction.PRESERVE, now=0.0, ttl_s=None, score=1.0)
+    control.apply(B, CacheAction.PRESERVE, now=0.0, ttl_s=None, score=2.0)
+    assert control.ranks == {} and not control.held_ahead(B, 0.0)
+    assert control.relieve(exclude=B, rank=0.0) == Relieved(A, 1.0, 2)  # by score, as before
+
+
 def test_the_engine_model_charges_a_carried_out_swap_and_prefetch_like_any_transfer() -> None:
     cost = CostModel()
     trace = Trace((TraceSession("a", "test", 0.0, (TraceTurn(32, 1, "t", 10.0, 0), TraceTurn(16, 1))),))
