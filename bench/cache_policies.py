@@ -89,7 +89,11 @@ Policies
   call is queued at the priority the planner sends (``services.scheduling``), computed from the
   same log events (each session's recorded engine, queue and tool time, and whether the manager's
   last decision still preserves its KV), and the engine models serve by it (``WaitQueue``: lowest
-  first; the batch model preempts the lowest-ranked running call, as vLLM's ``priority`` policy).
+  first; the batch model preempts the lowest-ranked running call, as vLLM's ``priority`` policy),
+  on an engine with ranked pins (``CacheControl(ranked=True)``, vLLM's ``--ranked-pins``): a
+  waiting call takes no context of a program ranked ahead of it, the valve moves or releases the
+  program ranked last first, and the manager, told so (``ManagerConfig.ranked_pins``), only swaps
+  under pressure. The priorities are ``PROGRAM_ORDER``'s, as such a server asks the planner for.
   Every other policy is served first come first served, as before. Its goal table: load 0.8,
   capacity <= 50%, against the best non-oracle baseline (``ours`` is not a baseline there).
 - ``oracle``: Belady: pin every waiting session; under pressure evict the one whose

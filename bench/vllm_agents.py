@@ -44,6 +44,9 @@ gives contexts up in the programs' order: the manager knows it (``ManagerConfig.
 no room kept ahead, no release of its own under pressure) and the priorities are
 ``PROGRAM_ORDER``'s, as for ``plas+hold``. The server then runs ``--scheduling-policy
 priority``; the other modes send no priority, which vLLM serves first come first served.
+Each call of ``manager+plas`` holds its context when it ends (``agentlog_hold_s``) until the
+manager's decision replaces the hold: with no room kept ahead, the call's freed blocks are
+otherwise the first the next admitted call takes, before the PRESERVE arrives.
 ``plas`` (run it with ``--modes``): the priorities without the cache manager, which tells the
 scheduling's share of a gain from the manager's. ``plas+hold`` (with ``--modes``): the priorities,
 and each call holds its session's context until the session's next call (the request's
@@ -105,7 +108,10 @@ MODES = ("vllm", "plas", "manager", "manager+plas", "plas+hold")
 DEFAULT_MODES = ("vllm", "manager", "manager+plas")  # issue 16's three; plas tells what scheduling alone does
 MANAGED = frozenset({"manager", "manager+plas"})  # modes that run the cache manager
 SCHEDULED = frozenset({"plas", "manager+plas", "plas+hold"})  # modes whose calls carry their program-level priority
-HELD = frozenset({"plas+hold"})  # modes whose calls hold their KV until the session's next call (ranked pins)
+# Modes whose calls hold their KV when they end (ranked pins): until the session's next call
+# (plas+hold), or until the cache manager's decision replaces the hold (manager+plas: without
+# it the call's blocks are free, the first the next admitted call takes, until the PRESERVE lands).
+HELD = frozenset({"plas+hold", "manager+plas"})
 RANKED = frozenset({"manager+plas", "plas+hold"})  # modes that need a server with ranked pins
 HOLD_S = 600.0  # a held context's TTL, wall seconds: far past any tool gap here (a finished session's is released)
 # The simulator's name of each mode.

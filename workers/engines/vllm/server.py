@@ -106,6 +106,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+RANKED_HOLD_S = 600.0
+"""How long a call's context is held on a ranked-pins server when nothing replaces the hold
+(the planner's ``AGENTLOG_VLLM_HOLD_S``): past any tool gap of the workloads here."""
+
+
 @dataclass
 class VllmServerConfig:
     model: str
@@ -236,8 +241,12 @@ class VllmServerConfig:
             # The planner and the gateway send priorities only to a server that serves by them, and
             # to one with ranked pins ranks that stay put (services.scheduling.PROGRAM_ORDER).
             "AGENTLOG_SCHEDULING": self.agentlog_scheduling,
-            # The cache manager leaves giving contexts up to a ranked-pins server's valve.
+            # The cache manager leaves giving contexts up to a ranked-pins server's valve, and
+            # each call holds its context when it ends, until the manager's decision replaces the
+            # hold (or the session's next call, without a manager): with no room kept ahead, a
+            # call's freed blocks would be the first the next admitted call takes.
             "AGENTLOG_CACHE_RANKED_PINS": "1" if self.ranked_pins else "0",
+            "AGENTLOG_VLLM_HOLD_S": f"{RANKED_HOLD_S:g}" if self.ranked_pins else "",
         }
 
 
