@@ -65,9 +65,9 @@ def test_ranked_pins_are_asked_of_the_scheduler_and_need_the_priority_policy(tmp
     assert ranked.env()["AGENTLOG_VLLM_RANKED_PINS"] == "1"
     assert ranked.endpoints()["AGENTLOG_SCHEDULING"] == "programs"  # ranks that stay put
     assert ranked.endpoints()["AGENTLOG_CACHE_RANKED_PINS"] == "1"  # the manager leaves releases to the valve
-    assert (
-        VllmServerConfig(model="m", run_dir=tmp_path, python="python").endpoints()["AGENTLOG_CACHE_RANKED_PINS"] == "0"
-    )
+    assert ranked.endpoints()["AGENTLOG_VLLM_HOLD_S"] == "600"  # each call's context held until replaced
+    plain = VllmServerConfig(model="m", run_dir=tmp_path, python="python").endpoints()
+    assert (plain["AGENTLOG_CACHE_RANKED_PINS"], plain["AGENTLOG_VLLM_HOLD_S"]) == ("0", "")
     with pytest.raises(ValueError, match="ranked_pins needs scheduling_policy 'priority'"):
         VllmServerConfig(model="m", run_dir=tmp_path, python="python", ranked_pins=True)
 
