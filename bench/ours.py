@@ -266,16 +266,10 @@ class VllmPlasHold(VllmPlas):
     each other's context at every call)."""
 
     name = "vllm+plas+hold"
+    ranked_pins = True  # the engine model's valve and waiting are the ranked ones (``Ours.make_room``, ``waits``)
 
     def __init__(self) -> None:
         super().__init__(PROGRAM_ORDER)  # ranks that stay put, as a ranked-pins server asks the planner
-        self.rank: dict[SessionId, float] = {}
-
-    def priority(self, s: Sess, now: float) -> float | None:
-        value = super().priority(s, now)
-        assert value is not None
-        self.rank[s.sid] = value
-        return value
 
     def on_gap(self, s: Sess, now: float) -> None:
         super().on_gap(s, now)
@@ -284,28 +278,3 @@ class VllmPlasHold(VllmPlas):
     def on_finish(self, s: Sess, now: float) -> None:
         super().on_finish(s, now)
         self.sim.cache.release(s.sid)
-        self.rank.pop(s.sid, None)
-
-    def make_room(self, needed: int, now: float, requester: Sess) -> bool:
-        mine = self.rank[requester.sid]
-        # As the engine's valve: a running call's growth takes any pin, a waiting call those ranked
-        # after it or with it; the lowest-ranked first.
-        growing = isinstance(self.sim, BatchSim) and requester.sid in self.sim.running
-        takeable = sorted(
-            (
-                (self.rank[sid], sid)
-                for sid in self.sim.pinned()
-                if sid != requester.sid and (growing or self.rank[sid] >= mine)
-            ),
-            reverse=True,
-        )
-        freed = 0
-        for _, sid in takeable:
-            if freed >= needed:
-                break
-            freed += self.sim.cache.release(sid)
-        return freed > 0
-
-    def waits(self, requester: Sess, now: float) -> bool:
-        mine = self.rank[requester.sid]
-        return any(self.rank[sid] < mine for sid in self.sim.pinned() if sid != requester.sid)
