@@ -518,6 +518,8 @@ class CacheManager:
         the policy's one eviction rule (``CachePolicy.evict``): SWAP, displacing host residents
         worth less when the host is full (their DISCARDs first), or RELEASE. On an engine with
         ranked pins only the SWAPs: a pin the rule would release stays, for the engine's valve."""
+        if self.config.ranked_pins and self.config.host_total_blocks == 0:
+            return  # nothing can be swapped: every pin stays for the valve (and none is scanned)
         delays = self.delays()
         kept: list[tuple[float, SessionId, int]] = []  # candidates left to the engine's valve (ranked pins)
         residents: RankedResidents | None = None
