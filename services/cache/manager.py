@@ -58,7 +58,9 @@ events after a restart appends nothing twice):
   the call: room has to be kept ahead of the call, not made when it starts.
   **Ranked pins** (``ManagerConfig.ranked_pins``): no headroom, and pressure only moves pins
   to the host (SWAP); a pin it would RELEASE stays, and the engine's valve gives it up when a
-  call needs the room, in the programs' order.
+  call needs the room, in the programs' order. A pin then makes later programs' calls wait, so
+  a gap or TTL decision pins only a session that returns within ``ranked_wait_factor`` times its
+  context's recompute; one that returns later is RELEASEd.
 - ``ttl``: when the log's time passes a PRESERVE's (or a PREFETCH's) TTL end, that
   session is decided again, as of the time of the event that passed it (the trigger is
   the PRESERVE decision's event id).
@@ -114,7 +116,7 @@ import hashlib
 import heapq
 import math
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from mypy_extensions import mypyc_attr
@@ -182,7 +184,17 @@ class ManagerConfig:
     last first, and a call waits rather than take the context of a program ranked ahead. The
     manager then keeps no room ahead, and under pressure it only moves pins to the host tier
     (SWAP, off the calls' critical path); it releases none: by score it would give up contexts
-    of the programs the engine serves first. Its gap, TTL and re-look decisions are unchanged."""
+    of the programs the engine serves first. Its gap and TTL decisions hold a context only for
+    a session that returns soon enough to be waited for (``ranked_wait_factor``)."""
+    ranked_wait_factor: float = 10.0
+    """On ranked pins, how long a waiting call may be kept waiting for a program ranked ahead, in
+    units of that program's recompute: a gap or TTL decision that would PRESERVE a context whose
+    session returns later than ``ranked_wait_factor`` times the recompute of its blocks RELEASEs
+    it instead (its blocks stay cached until a call needs them). A rank makes every later call wait
+    for the pin, so a pin is worth its rank only while waiting for its owner costs less than the
+    owner's recompute would (the factor: one recompute delays one call, a wait can hold up the whole
+    batch behind it). Without it, at lower load with heavy-tailed tool gaps, contexts of programs in
+    long gaps left the engine half idle (docs/benchmarks.md)."""
     forget_after_s: float = 3600.0
     """How long (manager seconds) a forgotten session's tombstone stays: its late events are
     recognised as such until then (see the module docstring)."""
@@ -192,6 +204,8 @@ class ManagerConfig:
             raise ValueError(f"headroom_blocks must be >= 0 or None, got {self.headroom_blocks}")
         if self.forget_after_s < 0:
             raise ValueError(f"forget_after_s must be >= 0, got {self.forget_after_s}")
+        if not 0 < self.ranked_wait_factor < math.inf:
+            raise ValueError(f"ranked_wait_factor must be a finite number > 0, got {self.ranked_wait_factor}")
         if self.gpu_total_blocks <= 0 or self.host_total_blocks < 0 or self.block_size <= 0:
             raise ValueError(
                 "need gpu_total_blocks > 0, host_total_blocks >= 0 and block_size > 0, got "
@@ -466,7 +480,12 @@ class CacheManager:
     # ----------------------------------------------------------------- deciding
 
     def _decide_one(self, view: SessionView, now: float) -> CacheDecision | None:
-        return self.policy.decide_session(view, now, self.memory(), self.delays())
+        """The policy's decision for one session (gap, end, TTL end), on ranked pins a PRESERVE
+        only for a session worth waiting for (``ranked_wait_factor``)."""
+        decision = self.policy.decide_session(view, now, self.memory(), self.delays())
+        if decision is None or not self.config.ranked_pins:
+            return decision
+        return self._not_worth_a_rank(decision, view)
 
     @property
     def headroom(self) -> int:
@@ -485,6 +504,23 @@ class CacheManager:
         if decision is not None:
             self._record(Decided(decision_event_id(trigger_id, kind, sid), trigger_id, kind, now, decision), s, out)
             self._keep_headroom(trigger_id, now, out)
+
+    def _not_worth_a_rank(self, decision: CacheDecision, view: SessionView) -> CacheDecision:
+        """A PRESERVE of a session that returns too late to be waited for becomes a RELEASE
+        (``ManagerConfig.ranked_wait_factor``)."""
+        if decision.action is not CacheAction.PRESERVE:
+            return decision
+        recompute_s = self.policy.cost.recompute_ms(view.gpu_blocks * self.config.block_size) / _MS_PER_S
+        limit_s = self.config.ranked_wait_factor * recompute_s
+        if decision.next_reference_s <= limit_s:
+            return decision
+        return replace(
+            decision,
+            action=CacheAction.RELEASE,
+            ttl_s=None,
+            reason=f"ranked pins: next call in {decision.next_reference_s:.1f}s, beyond the {limit_s:.1f}s "
+            "a waiting call waits for it; released",
+        )
 
     def _keep_headroom(self, trigger_id: str, now: float, out: list[Decided]) -> None:
         """After a PRESERVE: pins must leave the next call room, else the lowest scores go

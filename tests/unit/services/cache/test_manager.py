@@ -17,9 +17,21 @@ pytestmark = pytest.mark.unit
 class Feed:
     """Builds events for one manager and remembers their ids."""
 
-    def __init__(self, *, gpu: int = 100, host: int = 0, headroom: int | None = 0, ranked_pins: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        gpu: int = 100,
+        host: int = 0,
+        headroom: int | None = 0,
+        ranked_pins: bool = False,
+        ranked_wait_factor: float = 1000.0,  # the tests' 5 s gaps are waited for unless a test says otherwise
+    ) -> None:
         config = ManagerConfig(
-            gpu_total_blocks=gpu, host_total_blocks=host, headroom_blocks=headroom, ranked_pins=ranked_pins
+            gpu_total_blocks=gpu,
+            host_total_blocks=host,
+            headroom_blocks=headroom,
+            ranked_pins=ranked_pins,
+            ranked_wait_factor=ranked_wait_factor,
         )
         self.manager = CacheManager(config)
         self.ids = itertools.count()
@@ -179,6 +191,32 @@ def test_without_a_host_tier_ranked_pins_release_nothing_under_pressure() -> Non
         feed.pinned(sid, at, prompt)
     assert feed.llm("d", 3.0, 944) == []  # 130 blocks of 100: the engine's valve decides
     assert all(feed.manager.hold(SessionId(sid)) is Hold.PINNED for sid in "abc")
+
+
+@pytest.mark.parametrize(("factor", "action"), [(160.0, CacheAction.PRESERVE), (150.0, CacheAction.RELEASE)])
+def test_on_ranked_pins_a_session_is_pinned_only_if_it_returns_soon_enough_to_be_waited_for(
+    factor: float, action: CacheAction
+) -> None:
+    # a's 20 blocks (320 tokens) recompute in 32.2 ms by the default cost model and it returns in
+    # 5 s: 155 recomputes away, so a factor of 160 waits for it and one of 150 does not.
+    recompute_s = CachePolicy().cost.recompute_ms(320) / 1000
+    assert 150 < 5.0 / recompute_s < 160
+    feed = Feed(gpu=100, headroom=None, ranked_pins=True, ranked_wait_factor=factor)
+    d = feed.pinned("a", 0.0, 304).decision
+    assert (d.action, d.num_blocks, d.next_reference_s) == (action, 20, 5.0)
+    if action is CacheAction.RELEASE:
+        assert d.ttl_s is None and "released" in d.reason
+    assert feed.manager.hold(SessionId("a")) is (Hold.PINNED if action is CacheAction.PRESERVE else Hold.RELEASED)
+    assert feed.manager.gpu_used == (20 if action is CacheAction.PRESERVE else 0)
+    # Without ranked pins nothing changes: the pin makes no call wait.
+    plain = Feed(gpu=100, headroom=None, ranked_wait_factor=factor)
+    assert plain.pinned("a", 0.0, 304).decision.action is CacheAction.PRESERVE
+
+
+@pytest.mark.parametrize("factor", [0.0, -1.0, float("inf"), float("nan")])
+def test_the_ranked_wait_factor_must_be_a_positive_finite_number(factor: float) -> None:
+    with pytest.raises(ValueError, match="ranked_wait_factor"):
+        ManagerConfig(gpu_total_blocks=10, ranked_wait_factor=factor)
 
 
 def test_under_pressure_a_victim_is_swapped_while_the_host_has_room() -> None:
