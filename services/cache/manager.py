@@ -59,8 +59,9 @@ events after a restart appends nothing twice):
   **Ranked pins** (``ManagerConfig.ranked_pins``): no headroom, and pressure only moves pins
   to the host (SWAP); a pin it would RELEASE stays, and the engine's valve gives it up when a
   call needs the room, in the programs' order. A pin then makes later programs' calls wait, so
-  a gap or TTL decision pins only a session that returns within ``ranked_wait_factor`` times its
-  context's recompute; one that returns later is RELEASEd.
+  a PRESERVE pins only a session that returns within ``ranked_wait_factor`` times its context's
+  recompute; one that returns later is sent as a RELEASE and held *loose* (counted, a candidate
+  for pressure SWAPs, re-decided at its TTL end, as a pin, but making no call wait).
 - ``ttl``: when the log's time passes a PRESERVE's (or a PREFETCH's) TTL end, that
   session is decided again, as of the time of the event that passed it (the trigger is
   the PRESERVE decision's event id).
@@ -184,13 +185,15 @@ class ManagerConfig:
     last first, and a call waits rather than take the context of a program ranked ahead. The
     manager then keeps no room ahead, and under pressure it only moves pins to the host tier
     (SWAP, off the calls' critical path); it releases none: by score it would give up contexts
-    of the programs the engine serves first. Its gap and TTL decisions hold a context only for
-    a session that returns soon enough to be waited for (``ranked_wait_factor``)."""
+    of the programs the engine serves first. It pins a context only for a session that returns
+    soon enough to be waited for (``ranked_wait_factor``)."""
     ranked_wait_factor: float = 10.0
     """On ranked pins, how long a waiting call may be kept waiting for a program ranked ahead, in
-    units of that program's recompute: a gap or TTL decision that would PRESERVE a context whose
-    session returns later than ``ranked_wait_factor`` times the recompute of its blocks RELEASEs
-    it instead (its blocks stay cached until a call needs them). A rank makes every later call wait
+    units of that program's recompute: a PRESERVE of a context whose session returns later than
+    ``ranked_wait_factor`` times the recompute of its blocks is sent as a RELEASE, and the manager
+    holds it *loose* (``Hold.LOOSE``): its blocks stay cached and counted until the engine's LRU
+    takes them, its pressure SWAPs may still move them to the host, and the PRESERVE's TTL end
+    decides it again. A rank makes every later call wait
     for the pin, so a pin is worth its rank only while waiting for its owner costs less than the
     owner's recompute would (the factor: one recompute delays one call, a wait can hold up the whole
     batch behind it). Without it, at lower load with heavy-tailed tool gaps, contexts of programs in
@@ -219,10 +222,13 @@ class Hold(StrEnum):
     NONE = "none"  # nothing decided: LRU-evictable
     ACTIVE = "active"  # in an LLM call
     PINNED = "pinned"  # PRESERVE, TTL running
+    LOOSE = "loose"  # ranked pins: RELEASEd rather than pinned, still counted and evicted as a pin (TTL running)
     SWAPPED = "swapped"
     RELEASED = "released"
     DISCARDED = "discarded"
 
+
+_HELD = frozenset((Hold.PINNED, Hold.LOOSE))  # counted on GPU, pressure candidates, re-decided at a TTL end
 
 _HOLD_OF: dict[CacheAction, Hold] = {
     CacheAction.PRESERVE: Hold.PINNED,
@@ -480,12 +486,7 @@ class CacheManager:
     # ----------------------------------------------------------------- deciding
 
     def _decide_one(self, view: SessionView, now: float) -> CacheDecision | None:
-        """The policy's decision for one session (gap, end, TTL end), on ranked pins a PRESERVE
-        only for a session worth waiting for (``ranked_wait_factor``)."""
-        decision = self.policy.decide_session(view, now, self.memory(), self.delays())
-        if decision is None or not self.config.ranked_pins:
-            return decision
-        return self._not_worth_a_rank(decision, view)
+        return self.policy.decide_session(view, now, self.memory(), self.delays())
 
     @property
     def headroom(self) -> int:
@@ -505,21 +506,21 @@ class CacheManager:
             self._record(Decided(decision_event_id(trigger_id, kind, sid), trigger_id, kind, now, decision), s, out)
             self._keep_headroom(trigger_id, now, out)
 
-    def _not_worth_a_rank(self, decision: CacheDecision, view: SessionView) -> CacheDecision:
-        """A PRESERVE of a session that returns too late to be waited for becomes a RELEASE
-        (``ManagerConfig.ranked_wait_factor``)."""
-        if decision.action is not CacheAction.PRESERVE:
-            return decision
-        recompute_s = self.policy.cost.recompute_ms(view.gpu_blocks * self.config.block_size) / _MS_PER_S
+    def _too_far_for_a_rank(self, decision: CacheDecision) -> CacheDecision | None:
+        """On ranked pins, a PRESERVE of a session that returns too late to be waited for
+        (``ManagerConfig.ranked_wait_factor``): the RELEASE the engine gets instead; else None."""
+        if not self.config.ranked_pins or decision.action is not CacheAction.PRESERVE:
+            return None
+        recompute_s = self.policy.cost.recompute_ms(decision.num_blocks * self.config.block_size) / _MS_PER_S
         limit_s = self.config.ranked_wait_factor * recompute_s
         if decision.next_reference_s <= limit_s:
-            return decision
+            return None
         return replace(
             decision,
             action=CacheAction.RELEASE,
             ttl_s=None,
             reason=f"ranked pins: next call in {decision.next_reference_s:.1f}s, beyond the {limit_s:.1f}s "
-            "a waiting call waits for it; released",
+            "a waiting call waits for it; released, held loose",
         )
 
     def _keep_headroom(self, trigger_id: str, now: float, out: list[Decided]) -> None:
@@ -529,14 +530,20 @@ class CacheManager:
             self._evict(trigger_id, now, out, reserve=self.headroom)
 
     def _record(self, decided: Decided, s: _Session, out: list[Decided]) -> None:
-        d = decided.decision
+        d = decided.decision  # what the manager holds it by (a loose hold: the PRESERVE), not what it sends
         sid = d.session_id
+        released = self._too_far_for_a_rank(d)
+        if released is not None:
+            # The engine unpins it (the pin would make later programs' calls wait); the manager
+            # holds it loose: its blocks stay counted until the engine's LRU takes them, its
+            # pressure may still move them to the host, and its TTL end decides it again.
+            decided = replace(decided, decision=released)
         if d.action is CacheAction.SWAP:
             s.host_reserved = d.num_blocks
         elif d.action is CacheAction.PREFETCH:
             s.host_reserved = 0
         s.prefetched = d.num_blocks if d.action is CacheAction.PREFETCH else 0
-        self._set_hold(sid, s, _HOLD_OF[d.action])
+        self._set_hold(sid, s, Hold.LOOSE if released is not None else _HOLD_OF[d.action])
         if d.action is CacheAction.SWAP and d.ttl_s is not None:
             s.swap_id = decided.event_id
             heapq.heappush(self._relooks, (decided.at + d.ttl_s, sid, s.version))
@@ -571,7 +578,7 @@ class CacheManager:
                 entry = heapq.heappop(self._candidates)
                 _, sid, version = entry
                 s = self._sessions.get(sid)
-                if s is None or s.version != version or s.hold is not Hold.PINNED:
+                if s is None or s.version != version or s.hold not in _HELD:
                     continue  # stale: the session's hold changed since it was pushed
                 view = self.view(sid)
                 host_free = max(0, self.config.host_total_blocks - self.host_used)
@@ -623,9 +630,9 @@ class CacheManager:
                 continue
             _, sid, version = heapq.heappop(self._expiries)
             s = self._sessions.get(sid)
-            if s is None or s.version != version or s.hold is not Hold.PINNED:
+            if s is None or s.version != version or s.hold not in _HELD:
                 continue
-            self._set_hold(sid, s, Hold.NONE)  # the engine's pin ended
+            self._set_hold(sid, s, Hold.NONE)  # the engine's pin ended (or the loose hold's look came)
             # Decided as of ``until``, not ``end``: the new TTL ends after ``until``, so a jump of
             # the log's time (a backlog, a restart) re-decides a session once, not once per TTL.
             decision = self._decide_one(self.view(sid), until)
@@ -659,8 +666,8 @@ class CacheManager:
     # ------------------------------------------------------------------ memory
 
     def _set_hold(self, sid: SessionId, s: _Session, hold: Hold) -> None:
-        if (s.hold is Hold.PINNED) != (hold is Hold.PINNED):
-            self._num_pinned += 1 if hold is Hold.PINNED else -1
+        if (s.hold in _HELD) != (hold in _HELD):
+            self._num_pinned += 1 if hold in _HELD else -1
         s.hold = hold
         s.version += 1
         self._recharge(sid, s)
@@ -670,7 +677,7 @@ class CacheManager:
         hold = s.hold
         if hold is Hold.ACTIVE:
             charged = max(s.need, self.view(sid).gpu_blocks)
-        elif hold is Hold.PINNED:
+        elif hold in _HELD:
             charged = max(s.prefetched, self.view(sid).gpu_blocks)
         else:
             charged = 0
@@ -697,6 +704,7 @@ class CacheManager:
             heapq.heapify(looks)
             self._relooks[:] = looks
 
-    def _is_live(self, entry: tuple[float, SessionId, int], hold: Hold = Hold.PINNED) -> bool:
+    def _is_live(self, entry: tuple[float, SessionId, int], hold: Hold | None = None) -> bool:
+        """The heap entry is the session's current one and its hold is ``hold`` (None: held)."""
         s = self._sessions.get(entry[1])
-        return s is not None and s.version == entry[2] and s.hold is hold
+        return s is not None and s.version == entry[2] and (s.hold in _HELD if hold is None else s.hold is hold)

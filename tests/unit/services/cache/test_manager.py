@@ -204,13 +204,31 @@ def test_on_ranked_pins_a_session_is_pinned_only_if_it_returns_soon_enough_to_be
     feed = Feed(gpu=100, headroom=None, ranked_pins=True, ranked_wait_factor=factor)
     d = feed.pinned("a", 0.0, 304).decision
     assert (d.action, d.num_blocks, d.next_reference_s) == (action, 20, 5.0)
-    if action is CacheAction.RELEASE:
+    if action is CacheAction.RELEASE:  # sent to the engine as a release, held loose by the manager
         assert d.ttl_s is None and "released" in d.reason
-    assert feed.manager.hold(SessionId("a")) is (Hold.PINNED if action is CacheAction.PRESERVE else Hold.RELEASED)
-    assert feed.manager.gpu_used == (20 if action is CacheAction.PRESERVE else 0)
+    assert feed.manager.hold(SessionId("a")) is (Hold.PINNED if action is CacheAction.PRESERVE else Hold.LOOSE)
+    assert feed.manager.gpu_used == 20  # its blocks stay cached, counted until the engine's LRU takes them
     # Without ranked pins nothing changes: the pin makes no call wait.
     plain = Feed(gpu=100, headroom=None, ranked_wait_factor=factor)
     assert plain.pinned("a", 0.0, 304).decision.action is CacheAction.PRESERVE
+
+
+def test_a_loose_hold_is_swapped_under_pressure_and_decided_again_at_its_ttl_end() -> None:
+    # On ranked pins with a host tier: a (20 blocks, 5 s away) is held loose; the pressure of d's
+    # call moves it to the host like a pin (the manager's only eviction there), and b, pinned with
+    # a factor that waits for it, stays for the engine's valve.
+    feed = Feed(gpu=100, host=25, headroom=None, ranked_pins=True, ranked_wait_factor=150.0)
+    assert feed.pinned("a", 0.0, 304).decision.action is CacheAction.RELEASE  # 155 recomputes away
+    assert feed.pinned("b", 1.0, 624).decision.action is CacheAction.PRESERVE  # 40 blocks: 77 away
+    assert feed.manager.gpu_used == 60
+    assert actions(feed.llm("d", 3.0, 944)) == [("a", CacheAction.SWAP, "pressure")]
+    assert feed.manager.hold(SessionId("a")) is Hold.SWAPPED and feed.manager.host_used == 20
+    # Held loose again, then its TTL (10 s) ends: it is decided again, as a pin's would be.
+    loose = Feed(gpu=100, ranked_pins=True, ranked_wait_factor=150.0)
+    loose.pinned("a", 0.0, 304)
+    (again,) = loose.propose("b", 10.5)  # the log's time passes a's TTL end (10.2 s)
+    assert (again.session_id, again.kind, again.decision.action) == ("a", "ttl", CacheAction.RELEASE)
+    assert loose.manager.hold(SessionId("a")) is Hold.LOOSE
 
 
 @pytest.mark.parametrize("factor", [0.0, -1.0, float("inf"), float("nan")])
