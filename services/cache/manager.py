@@ -193,11 +193,11 @@ class ManagerConfig:
     ``ranked_wait_factor`` times the recompute of its blocks is sent as a RELEASE, and the manager
     holds it *loose* (``Hold.LOOSE``): its blocks stay cached and counted until the engine's LRU
     takes them, its pressure SWAPs may still move them to the host, and the PRESERVE's TTL end
-    decides it again. A rank makes every later call wait
-    for the pin, so a pin is worth its rank only while waiting for its owner costs less than the
-    owner's recompute would (the factor: one recompute delays one call, a wait can hold up the whole
-    batch behind it). Without it, at lower load with heavy-tailed tool gaps, contexts of programs in
-    long gaps left the engine half idle (docs/benchmarks.md)."""
+    decides it again. A rank makes every later call wait for the pin, so a pin is worth its rank
+    only while waiting for its owner costs less than the owner's recompute would (the factor: one
+    recompute delays one call, a wait can hold up the whole batch behind it). Without it, at lower
+    load with heavy-tailed tool gaps, contexts of programs in long gaps left the engine half idle
+    (docs/benchmarks.md)."""
     forget_after_s: float = 3600.0
     """How long (manager seconds) a forgotten session's tombstone stays: its late events are
     recognised as such until then (see the module docstring)."""
@@ -307,7 +307,7 @@ class CacheManager:
     _candidates: list[tuple[float, SessionId, int]] = field(default_factory=list)  # (score, sid, version)
     _expiries: list[tuple[float, SessionId, int]] = field(default_factory=list)  # (ttl end, sid, version)
     _relooks: list[tuple[float, SessionId, int]] = field(default_factory=list)  # (re-look time, sid, version)
-    _num_pinned: int = 0
+    _num_held: int = 0
     _max_need: int = 0
     # Forgotten sessions -> the manager time they were forgotten at (insertion order is time order).
     _forgotten: dict[SessionId, float] = field(default_factory=dict)
@@ -667,7 +667,7 @@ class CacheManager:
 
     def _set_hold(self, sid: SessionId, s: _Session, hold: Hold) -> None:
         if (s.hold in _HELD) != (hold in _HELD):
-            self._num_pinned += 1 if hold in _HELD else -1
+            self._num_held += 1 if hold in _HELD else -1
         s.hold = hold
         s.version += 1
         self._recharge(sid, s)
@@ -693,7 +693,7 @@ class CacheManager:
 
     def _compact(self) -> None:
         """Drop stale heap entries once they outnumber live ones (amortized O(1) per push)."""
-        limit = 2 * self._num_pinned + 64
+        limit = 2 * self._num_held + 64
         for heap in (self._candidates, self._expiries):
             if len(heap) > limit:
                 live = [e for e in heap if self._is_live(e)]
