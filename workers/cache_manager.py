@@ -77,6 +77,7 @@ import argparse
 import asyncio
 import heapq
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -231,6 +232,13 @@ class CacheManagerWorker(Worker):
             "pressure, only swap; the engine's valve gives contexts up (default: AGENTLOG_CACHE_RANKED_PINS, "
             "which the vLLM launcher announces)",
         )
+        parser.add_argument(
+            "--ranked-wait-factor",
+            type=wait_factor,
+            default=env("AGENTLOG_CACHE_RANKED_WAIT_FACTOR", "10"),
+            help="with --ranked-pins, pin only a session that returns within this many recomputes of its "
+            "context; a later one is released and held loose (default: AGENTLOG_CACHE_RANKED_WAIT_FACTOR, else 10)",
+        )
         parser.add_argument("--engine-id", default=env("AGENTLOG_ENGINE_ID", "sim-0"))
         parser.add_argument(
             "--engines",
@@ -258,6 +266,7 @@ class CacheManagerWorker(Worker):
             engine_id=args.engine_id,
             headroom_blocks=args.headroom_blocks,
             ranked_pins=args.ranked_pins,
+            ranked_wait_factor=args.ranked_wait_factor,
         )
         return cls(
             log,
@@ -443,6 +452,15 @@ class CacheManagerWorker(Worker):
     def _draft(self, d: Decided) -> Draft:
         engine_id = d.engine_id or self.config.engine_id
         return Draft(d.session_id, d.to_event(engine_id, self.time_scale), d.event_id, d.trigger_id)
+
+
+def wait_factor(text: str) -> float:
+    """``--ranked-wait-factor``: a finite number > 0 (``ManagerConfig.ranked_wait_factor``); argparse
+    turns the ``ValueError`` into its one-line usage error."""
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise ValueError(text)
+    return value
 
 
 def engine_ids(listed: str, engine_id: str) -> list[str]:

@@ -517,8 +517,7 @@ class CacheManager:
             return None
         return replace(
             decision,
-            action=CacheAction.RELEASE,
-            ttl_s=None,
+            action=CacheAction.RELEASE,  # with the PRESERVE's TTL: when the manager decides it again
             reason=f"ranked pins: next call in {decision.next_reference_s:.1f}s, beyond the {limit_s:.1f}s "
             "a waiting call waits for it; released, held loose",
         )
@@ -530,25 +529,28 @@ class CacheManager:
             self._evict(trigger_id, now, out, reserve=self.headroom)
 
     def _record(self, decided: Decided, s: _Session, out: list[Decided]) -> None:
-        d = decided.decision  # what the manager holds it by (a loose hold: the PRESERVE), not what it sends
-        sid = d.session_id
-        released = self._too_far_for_a_rank(d)
+        released = self._too_far_for_a_rank(decided.decision)
         if released is not None:
             # The engine unpins it (the pin would make later programs' calls wait); the manager
             # holds it loose: its blocks stay counted until the engine's LRU takes them, its
             # pressure may still move them to the host, and its TTL end decides it again.
             decided = replace(decided, decision=released)
+        d = decided.decision
+        sid = d.session_id
+        # A RELEASE with a TTL is a loose hold: made just now, or the log's one adopted after a
+        # restart (the TTL is in the event, so a replay holds it as the live run did).
+        loose = d.action is CacheAction.RELEASE and d.ttl_s is not None
         if d.action is CacheAction.SWAP:
             s.host_reserved = d.num_blocks
         elif d.action is CacheAction.PREFETCH:
             s.host_reserved = 0
         s.prefetched = d.num_blocks if d.action is CacheAction.PREFETCH else 0
-        self._set_hold(sid, s, Hold.LOOSE if released is not None else _HOLD_OF[d.action])
+        self._set_hold(sid, s, Hold.LOOSE if loose else _HOLD_OF[d.action])
         if d.action is CacheAction.SWAP and d.ttl_s is not None:
             s.swap_id = decided.event_id
             heapq.heappush(self._relooks, (decided.at + d.ttl_s, sid, s.version))
             self._compact()
-        if d.action in (CacheAction.PRESERVE, CacheAction.PREFETCH):
+        if d.action in (CacheAction.PRESERVE, CacheAction.PREFETCH) or loose:
             assert d.ttl_s is not None  # the policy gives every PRESERVE and PREFETCH a TTL
             s.pin_id = decided.event_id
             heapq.heappush(self._candidates, (d.score, sid, s.version))

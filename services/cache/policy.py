@@ -203,7 +203,9 @@ class CacheDecision:
     score: float
     next_reference_s: float  # math.inf when the session will not return
     num_blocks: int
-    ttl_s: float | None = None  # PRESERVE, PREFETCH: the hold's TTL; SWAP: when to look again (prefetch)
+    # PRESERVE, PREFETCH: the hold's TTL; SWAP: when to look again (prefetch); a RELEASE of the manager's
+    # on ranked pins (``CacheManager``'s loose hold): when it decides again
+    ttl_s: float | None = None
     reason: str = ""
 
     def to_event(self, engine_id: str) -> CacheDecisionMade:

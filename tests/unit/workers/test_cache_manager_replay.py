@@ -39,10 +39,13 @@ def memory_log(num_partitions: int, backend: MemoryBackend | None = None) -> Sha
 
 
 def worker(
-    time_scale: float = 1.0, num_partitions: int = 1, backend: MemoryBackend | None = None
+    time_scale: float = 1.0,
+    num_partitions: int = 1,
+    backend: MemoryBackend | None = None,
+    config: ManagerConfig | None = None,
 ) -> CacheManagerWorker:
     log = memory_log(num_partitions, backend)
-    return CacheManagerWorker(log, config=ManagerConfig(gpu_total_blocks=1000), time_scale=time_scale)
+    return CacheManagerWorker(log, config=config or ManagerConfig(gpu_total_blocks=1000), time_scale=time_scale)
 
 
 def gap(session: str, offset: int, at_s: float, partition: int = 0) -> list[LoggedEvent]:
@@ -173,6 +176,36 @@ def test_a_logged_decision_that_differs_is_adopted() -> None:
     assert w.manager.hold("a").value == "released"  # type: ignore[arg-type]
 
 
+def adopting(
+    config: ManagerConfig, events: list[LoggedEvent], draft: Draft, logged: ev.CacheDecisionMade
+) -> CacheManagerWorker:
+    """A worker that replays ``events`` and finds ``logged`` in the log under ``draft``'s id."""
+    w = worker(config=config)
+    w._boundary = {(ACTIONS, 0): len(events)}
+    w._logged = {str(draft.event_id): logged}
+    assert w.process(events, received=0.0)[0] == []
+    return w
+
+
+def test_a_logged_loose_release_on_ranked_pins_is_adopted_as_a_loose_hold() -> None:
+    # A run with a smaller wait factor sent a's PRESERVE as a RELEASE with its TTL (held loose);
+    # this run would pin it. Adopting the log's decision holds a loose, as the live run did: its
+    # blocks counted, decided again at its TTL end. A RELEASE without a TTL is a plain release.
+    ranked = ManagerConfig(gpu_total_blocks=1000, ranked_pins=True, ranked_wait_factor=1e6)
+    events = gap("a", 0, 0.0)
+    (draft,) = worker(config=ranked).process(events, received=0.0)[0]
+    assert decision(draft).action is CacheAction.PRESERVE and decision(draft).ttl_ms == 10_000
+    released = decision(draft).model_copy(update={"action": CacheAction.RELEASE, "ttl_ms": None})
+    plain = adopting(ranked, events, draft, released)
+    assert (plain.stats.num_adopted, plain.manager.hold("a").value, plain.manager.gpu_used) == (1, "released", 0)  # type: ignore[arg-type]
+
+    loose = adopting(ranked, events, draft, decision(draft).model_copy(update={"action": CacheAction.RELEASE}))
+    assert (loose.stats.num_adopted, loose.manager.hold("a").value, loose.manager.gpu_used) == (1, "loose", 20)  # type: ignore[arg-type]
+    # Its TTL end (10.2 s) passes before b's events at 11 s: a is decided again, as in the live run.
+    drafts = loose.process(gap("b", 3, 11.0), received=11.0)[0]
+    assert [(d.session_id, decision(d).action) for d in drafts if d.session_id == "a"] == [("a", CacheAction.PRESERVE)]
+
+
 def test_times_and_ttls_follow_the_time_scale() -> None:
     compressed = worker(time_scale=0.01)  # 1 log second = 100 simulated seconds
     (draft,) = compressed.process(gap("a", 0, 0.0), received=0.0)[0]
@@ -217,3 +250,34 @@ def test_the_worker_knows_an_engine_with_ranked_pins_from_the_launchers_announce
     args = parser.parse_args(argv)
     w = asyncio.run(CacheManagerWorker.create(memory_log(1, None), args))
     assert w.config.ranked_pins is ranked
+
+
+def parsed(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="cache-manager")
+    CacheManagerWorker.add_arguments(parser)
+    parser.add_argument("--group", default="g")
+    parser.add_argument("--instance-id", default=None)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "factor"), [([], None, 10.0), ([], "4", 4.0), (["--ranked-wait-factor", "2.5"], "4", 2.5)]
+)
+def test_the_ranked_wait_factor_comes_from_its_flag_else_the_environment(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], env: str | None, factor: float
+) -> None:
+    if env is None:
+        monkeypatch.delenv("AGENTLOG_CACHE_RANKED_WAIT_FACTOR", raising=False)
+    else:
+        monkeypatch.setenv("AGENTLOG_CACHE_RANKED_WAIT_FACTOR", env)
+    w = asyncio.run(CacheManagerWorker.create(memory_log(1, None), parsed(["--ranked-pins", *argv])))
+    assert w.config.ranked_wait_factor == factor
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "inf", "nan", "soon"])
+def test_a_bad_ranked_wait_factor_is_refused_by_the_parser(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parsed(["--ranked-wait-factor", bad])
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert line == f"cache-manager: error: argument --ranked-wait-factor: invalid wait_factor value: '{bad}'"

@@ -205,7 +205,7 @@ def test_on_ranked_pins_a_session_is_pinned_only_if_it_returns_soon_enough_to_be
     d = feed.pinned("a", 0.0, 304).decision
     assert (d.action, d.num_blocks, d.next_reference_s) == (action, 20, 5.0)
     if action is CacheAction.RELEASE:  # sent to the engine as a release, held loose by the manager
-        assert d.ttl_s is None and "released" in d.reason
+        assert d.ttl_s == 10.0 and "released" in d.reason  # the PRESERVE's TTL: when it is decided again
     assert feed.manager.hold(SessionId("a")) is (Hold.PINNED if action is CacheAction.PRESERVE else Hold.LOOSE)
     assert feed.manager.gpu_used == 20  # its blocks stay cached, counted until the engine's LRU takes them
     # Without ranked pins nothing changes: the pin makes no call wait.
