@@ -4,7 +4,8 @@ Run::
 
     python -m bench.cache_manager_scale [--events N] [--sessions 10000] [--bootstrap HOST:PORT]
                                         [--max-records 500] [--poll-sizes 500 50]
-                                        [--clients python rdkafka] [--rounds 3] [--no-kafka] [--json FILE]
+                                        [--clients python rdkafka] [--rounds 3] [--ranked-pins]
+                                        [--no-kafka] [--json FILE]
 
 The Kafka rows run against ``--bootstrap`` (default ``KAFKA_BOOTSTRAP_SERVERS``), else a
 broker the benchmark starts from the Maven jars (``bench.broker``); ``--no-kafka`` runs the
@@ -26,6 +27,11 @@ Rows (the same events, in one run)
 ----------------------------------
 - ``fold+decide``: ``CacheManager.apply`` over decoded events in memory: the manager's
   own ceiling.
+- ``fold+decide (memory, ranked)`` beside it (or without, with ``--ranked-pins``): the
+  same events for a manager told the engine ranks its pins (``ManagerConfig.ranked_pins``).
+  Nothing here plays the engine's valve, so the manager's count stays above capacity once
+  the GPU fills, and every call and every pin triggers a pressure eviction that may only
+  swap: the worst case of its bounded search (``services.cache.manager.RANKED_SCAN``).
 - ``decode+verify+fold+decide``: from the encoded records in memory (``Codec.decode``,
   ``ChainVerifier.verify``, then ``apply``): what a worker pays per record without I/O.
 - ``Kafka consume only``: an ``EventConsumer`` reading the same events from a Kafka
@@ -81,7 +87,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from bench.broker import broker_address
@@ -265,7 +271,8 @@ def run_fold(events: list[Ev], config: ManagerConfig) -> Row:
             latencies.append(clock() - t)
             decisions += len(out)
     seconds, cpu_seconds = clock() - began, time.process_time() - began_cpu
-    return Row("fold+decide (memory)", len(events), seconds, decisions, cpu_seconds, latencies)
+    name = "fold+decide (memory" + (", ranked)" if config.ranked_pins else ")")
+    return Row(name, len(events), seconds, decisions, cpu_seconds, latencies)
 
 
 def encode_all(events: list[Ev]) -> list[tuple[topic_table.Topic, bytes, bytes]]:
@@ -303,7 +310,7 @@ def run_decode_fold(records: list[tuple[topic_table.Topic, bytes, bytes]], confi
         if out:
             latencies.append(clock() - t)
             decisions += len(out)
-    name = "decode+verify+fold+decide (memory)"
+    name = "decode+verify+fold+decide (memory" + (", ranked)" if config.ranked_pins else ")")
     seconds, cpu_seconds = clock() - began, time.process_time() - began_cpu
     return Row(name, len(records), seconds, decisions, cpu_seconds, latencies)
 
@@ -417,7 +424,8 @@ async def run_worker(
         await worker.run()
         assert worker.first is not None and worker.last is not None
         end = max(worker.last, worker.first)  # the appends of the decisions are part of the work
-        return Row(f"Kafka worker, poll {max_records}, {CLIENT_NAMES[client]}", stats.num_events, end - worker.first,
+        name = f"Kafka worker, poll {max_records}, {CLIENT_NAMES[client]}" + (", ranked" if config.ranked_pins else "")
+        return Row(name, stats.num_events, end - worker.first,
                    stats.num_decisions, worker.last_cpu - worker.first_cpu, stats.decide_s,
                    stats.ready_s, stats.appended_s)  # fmt: skip
 
@@ -500,13 +508,15 @@ async def main_async(args: argparse.Namespace) -> int:
     print(f"collector thresholds {GC_THRESHOLDS} (the worker process's)")
     print(f"generating {args.events:,} events for {args.sessions:,} live sessions ...", flush=True)
     events, mean_blocks = workload(args.events, args.sessions, args.seed)
-    config = config_for(args.sessions, mean_blocks)
+    config = replace(config_for(args.sessions, mean_blocks), ranked_pins=args.ranked_pins)
     topics: dict[str, int] = {}
     for e in events:
         topics[type(e.body).__name__] = topics.get(type(e.body).__name__, 0) + 1
     print(f"mix: {json.dumps(topics)}")
     print(f"GPU {config.gpu_total_blocks:,} blocks, host {config.host_total_blocks:,} (mean held {mean_blocks})")
     rows = [run_fold(events, config)]
+    print(f"  {rows[-1].name}: {rows[-1].rate:,.0f} events/s", flush=True)
+    rows.append(run_fold(events, replace(config, ranked_pins=not config.ranked_pins)))
     print(f"  {rows[-1].name}: {rows[-1].rate:,.0f} events/s", flush=True)
     records = encode_all(events)
     rows.append(run_decode_fold(records, config))
@@ -566,6 +576,12 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--rounds", type=int, default=3, help="runs of each Kafka worker row; the goal is decided on their median"
+    )
+    parser.add_argument(
+        "--ranked-pins",
+        action="store_true",
+        help="the manager of every row but the in-memory one beside it is told the engine ranks its pins "
+        "(the worker's --ranked-pins, as under vLLM's priority scheduling)",
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from bench.cache_manager_scale import Row, goal_lines
+from bench.cache_manager_scale import Row, goal_lines, main
 
 pytestmark = pytest.mark.unit
 
@@ -43,3 +46,17 @@ def test_a_row_run_in_rounds_is_judged_on_its_median_round_not_its_best() -> Non
     (line,) = goal_lines(rows)
     assert f"{name}: 18,000 (median of 3 rounds: 21,500, 16,000, 18,000) -> NOT met" in line
     assert line.endswith("0.500 ms -> met")
+
+
+@pytest.mark.parametrize("ranked", [False, True])
+def test_the_in_memory_rows_measure_the_manager_with_and_without_ranked_pins_side_by_side(
+    ranked: bool, tmp_path: Path
+) -> None:
+    out = tmp_path / "scale.json"
+    argv = ["--events", "3000", "--sessions", "200", "--no-kafka", "--json", str(out)]
+    assert main([*argv, "--ranked-pins"] if ranked else argv) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    first = "fold+decide (memory, ranked)" if ranked else "fold+decide (memory)"
+    beside = "fold+decide (memory)" if ranked else "fold+decide (memory, ranked)"
+    assert list(rows)[:2] == [first, beside]
+    assert rows[first]["decisions"] > 0 and rows[beside]["decisions"] > 0

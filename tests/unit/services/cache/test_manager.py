@@ -9,7 +9,8 @@ import pytest
 from schemas import events as ev
 from schemas.events import CacheAction, KVTier, SessionId
 from services.cache import CachePolicy
-from services.cache.manager import CacheManager, Decided, Hold, ManagerConfig, decision_event_id
+from services.cache.manager import RANKED_SCAN, CacheManager, Decided, Hold, ManagerConfig, decision_event_id
+from services.cache.view import SessionView
 
 pytestmark = pytest.mark.unit
 
@@ -191,6 +192,36 @@ def test_without_a_host_tier_ranked_pins_release_nothing_under_pressure() -> Non
         feed.pinned(sid, at, prompt)
     assert feed.llm("d", 3.0, 944) == []  # 130 blocks of 100: the engine's valve decides
     assert all(feed.manager.hold(SessionId(sid)) is Hold.PINNED for sid in "abc")
+
+
+class CountingManager(CacheManager):
+    """Counts the views it reads of sessions other than ``caller``: in one pressure eviction,
+    the pins it looks at."""
+
+    caller = SessionId("d")
+    num_views = 0
+
+    def view(self, session_id: SessionId) -> SessionView:
+        if session_id != self.caller:
+            self.num_views += 1
+        return CacheManager.view(self, session_id)
+
+
+def test_on_ranked_pins_a_pressure_eviction_stops_after_the_pins_it_may_not_swap() -> None:
+    # 30 pins of 10 blocks and a host of 5: none may be swapped, so each eviction would read all
+    # 30 at every event while the count stays above capacity; it reads RANKED_SCAN and leaves
+    # every pin to the engine's valve, still a candidate for the next eviction.
+    feed = Feed(gpu=300, host=5, headroom=None, ranked_pins=True)
+    feed.manager = CountingManager(feed.manager.config)
+    for i in range(30):
+        assert feed.pinned(f"t{i:02d}", 0.01 * i, 144).decision.action is CacheAction.PRESERVE
+    assert feed.manager.gpu_used == 300
+    for at in (3.0, 3.5):
+        feed.manager.num_views = 0
+        assert feed.llm("d", at, 944) == []  # 60 blocks more than the GPU holds
+        assert feed.manager.num_views == RANKED_SCAN < 30
+        assert all(feed.manager.hold(SessionId(f"t{i:02d}")) is Hold.PINNED for i in range(30))
+        feed.done("d", at + 0.1, 944)
 
 
 @pytest.mark.parametrize(("factor", "action"), [(160.0, CacheAction.PRESERVE), (150.0, CacheAction.RELEASE)])
