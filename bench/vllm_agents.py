@@ -91,6 +91,7 @@ from cli.data import CONTINUUM, trace_file
 from schemas import events as ev
 from schemas.events import SessionId
 from services.cache.manager import CacheManager, ManagerConfig
+from services.cache.policy import CachePolicy
 from services.engine.batching import MAX_NUM_SEQS, BatchSim
 from services.engine.cost import CostModel
 from services.programs.base import Prompt, TokenRun
@@ -332,7 +333,8 @@ async def run_mode(mode: str, trace: Trace, endpoints: dict[str, str], blocks: i
             driver.manager = CacheManager(
                 ManagerConfig(
                     gpu_total_blocks=blocks - 1, block_size=32, engine_id=ENGINE_ID, ranked_pins=mode in RANKED
-                )
+                ),
+                CachePolicy(cost=CostModel(block_size=32)),  # the engine's blocks, as the worker builds it
             )
             driver.actuator = VllmActuator(ENGINE_ID, endpoints["control"])
             source = VllmKVSource(ENGINE_ID, endpoints["kv_events"], endpoints["kv_replay"])

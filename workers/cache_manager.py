@@ -93,6 +93,7 @@ from schemas.events import CacheDecisionMade, Model, SessionId
 from services.cache.engines import EngineCacheManagers
 from services.cache.manager import NAMESPACE, Decided, ManagerConfig
 from services.cache.policy import CachePolicy
+from services.engine.cost import CostModel
 from workers.crash import crash_point
 from workers.worker import EventIds, Worker
 
@@ -183,7 +184,9 @@ class CacheManagerWorker(Worker):
         super().__init__(log, group=group, instance_id=instance_id, poll_timeout_s=poll_timeout_s)
         self.config = config
         configs = [replace(config, engine_id=e) for e in engines] or [config]
-        self.manager = EngineCacheManagers(configs, policy if policy is not None else CachePolicy())
+        if policy is None:
+            policy = CachePolicy(cost=CostModel(block_size=config.block_size))  # its blocks are the engine's
+        self.manager = EngineCacheManagers(configs, policy)
         self.time_scale = time_scale
         self.max_records = max_records
         self.stats = stats if stats is not None else WorkerStats()

@@ -322,6 +322,13 @@ class CacheManager:
     num_forgotten: int = 0
 
     def __post_init__(self) -> None:
+        if self.policy.cost.block_size != self.config.block_size:
+            # The policy prices blocks as tokens (a recompute of b blocks is b * block_size tokens):
+            # blocks of another size would price every decision wrong by their ratio.
+            raise ValueError(
+                f"the policy's cost model has blocks of {self.policy.cost.block_size} tokens, the engine "
+                f"{self.config.block_size}: give the policy CostModel(block_size={self.config.block_size})"
+            )
         # One latency model: what the builder learns from effects is what the policy predicts with.
         self.builder = CacheViewBuilder(latency=self.policy.latency)
         self._residents = HostResidentIndex(self.policy)
@@ -519,7 +526,8 @@ class CacheManager:
         (``ManagerConfig.ranked_wait_factor``): the RELEASE the engine gets instead; else None."""
         if not self.config.ranked_pins or decision.action is not CacheAction.PRESERVE:
             return None
-        recompute_s = self.policy.cost.recompute_ms(decision.num_blocks * self.config.block_size) / _MS_PER_S
+        cost = self.policy.cost  # its blocks are the engine's (``__post_init__``)
+        recompute_s = cost.recompute_ms(decision.num_blocks * cost.block_size) / _MS_PER_S
         limit_s = self.config.ranked_wait_factor * recompute_s
         if decision.next_reference_s <= limit_s:
             return None

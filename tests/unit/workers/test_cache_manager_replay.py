@@ -274,6 +274,11 @@ def test_the_ranked_wait_factor_comes_from_its_flag_else_the_environment(
     assert w.config.ranked_wait_factor == factor
 
 
+def test_the_workers_policy_prices_the_engines_blocks() -> None:
+    w = asyncio.run(CacheManagerWorker.create(memory_log(1, None), parsed(["--block-size", "32"])))
+    assert w.config.block_size == 32 and w.manager.policy.cost.block_size == 32
+
+
 @pytest.mark.parametrize("bad", ["0", "-1", "inf", "nan", "soon"])
 def test_a_bad_ranked_wait_factor_is_refused_by_the_parser(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:

@@ -11,6 +11,7 @@ from schemas.events import CacheAction, KVTier, SessionId
 from services.cache import CachePolicy
 from services.cache.manager import RANKED_SCAN, CacheManager, Decided, Hold, ManagerConfig, decision_event_id
 from services.cache.view import SessionView
+from services.engine.cost import CostModel
 
 pytestmark = pytest.mark.unit
 
@@ -260,6 +261,17 @@ def test_a_loose_hold_is_swapped_under_pressure_and_decided_again_at_its_ttl_end
     (again,) = loose.propose("b", 10.5)  # the log's time passes a's TTL end (10.2 s)
     assert (again.session_id, again.kind, again.decision.action) == ("a", "ttl", CacheAction.RELEASE)
     assert loose.manager.hold(SessionId("a")) is Hold.LOOSE
+
+
+def test_the_policy_must_price_the_engines_blocks() -> None:
+    # A recompute of b blocks is b * block_size tokens: a cost model with other blocks would price
+    # every decision (and the ranked wait factor) wrong by their ratio.
+    config = ManagerConfig(gpu_total_blocks=10, block_size=32)
+    with pytest.raises(
+        ValueError, match=r"blocks of 16 tokens, the engine 32: give the policy CostModel\(block_size=32\)"
+    ):
+        CacheManager(config)
+    assert CacheManager(config, CachePolicy(cost=CostModel(block_size=32))).config.block_size == 32
 
 
 @pytest.mark.parametrize("factor", [0.0, -1.0, float("inf"), float("nan")])
