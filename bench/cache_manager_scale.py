@@ -256,6 +256,11 @@ def pct(values: Sequence[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _ranked(config: ManagerConfig) -> str:
+    """What a row's name adds for a manager told the engine ranks its pins."""
+    return ", ranked" if config.ranked_pins else ""
+
+
 def run_fold(events: list[Ev], config: ManagerConfig) -> Row:
     manager = CacheManager(config, CachePolicy())
     apply = manager.apply
@@ -271,7 +276,7 @@ def run_fold(events: list[Ev], config: ManagerConfig) -> Row:
             latencies.append(clock() - t)
             decisions += len(out)
     seconds, cpu_seconds = clock() - began, time.process_time() - began_cpu
-    name = "fold+decide (memory" + (", ranked)" if config.ranked_pins else ")")
+    name = f"fold+decide (memory{_ranked(config)})"
     return Row(name, len(events), seconds, decisions, cpu_seconds, latencies)
 
 
@@ -310,7 +315,7 @@ def run_decode_fold(records: list[tuple[topic_table.Topic, bytes, bytes]], confi
         if out:
             latencies.append(clock() - t)
             decisions += len(out)
-    name = "decode+verify+fold+decide (memory" + (", ranked)" if config.ranked_pins else ")")
+    name = f"decode+verify+fold+decide (memory{_ranked(config)})"
     seconds, cpu_seconds = clock() - began, time.process_time() - began_cpu
     return Row(name, len(records), seconds, decisions, cpu_seconds, latencies)
 
@@ -424,7 +429,7 @@ async def run_worker(
         await worker.run()
         assert worker.first is not None and worker.last is not None
         end = max(worker.last, worker.first)  # the appends of the decisions are part of the work
-        name = f"Kafka worker, poll {max_records}, {CLIENT_NAMES[client]}" + (", ranked" if config.ranked_pins else "")
+        name = f"Kafka worker, poll {max_records}, {CLIENT_NAMES[client]}{_ranked(config)}"
         return Row(name, stats.num_events, end - worker.first,
                    stats.num_decisions, worker.last_cpu - worker.first_cpu, stats.decide_s,
                    stats.ready_s, stats.appended_s)  # fmt: skip
