@@ -602,15 +602,18 @@ class CacheManager:
                     continue  # stale: the session's hold changed since it was pushed
                 view = self.view(sid)
                 host_free = max(0, self.config.host_total_blocks - self.host_used)
-                score = self.policy.score(view, now, host_free, delays)
-                made = self.policy.evict(view, score, now, host_free, delays, host_residents)
-                if self.config.ranked_pins and made[-1].action is CacheAction.RELEASE:
+                # The eviction rule (``CachePolicy.evict``) in its two steps: a pin it would release
+                # is kept on ranked pins, and then nothing more of it is worked out.
+                room = self.policy.swap_room(view, now, host_free, delays, host_residents)
+                if self.config.ranked_pins and room is None:
                     # Given up by score, it could be the context of the program served next; the
                     # engine's valve gives contexts up when a call needs the room, in the programs' order.
                     kept.append(entry)
                     if len(kept) >= RANKED_SCAN:
                         break
                     continue
+                score = self.policy.score(view, now, host_free, delays)
+                made = self.policy.evictions(view, score, now, delays, room)
                 for decision in made:
                     target = s if decision.session_id == sid else self._sessions[decision.session_id]
                     self._record(

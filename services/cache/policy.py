@@ -291,9 +291,14 @@ class CachePolicy:
             remaining = self.latency.mean_residual_life_bound(tool, waited_lo_s, waited_hi_s)
         else:
             remaining = max(0.0, delays.verdict_s - waited_lo_s) + self.latency.mean(tool)
+        return self.distance_from_remaining_s(phase, remaining, delays)
+
+    def distance_from_remaining_s(self, phase: Phase, remaining_s: float, delays: Delays) -> float:
+        """``next_reference_s`` of a view in ``phase`` (TOOL or HUMAN) whose tool has ``remaining_s``
+        left (or a bound of both: the function is monotone in ``remaining_s``)."""
         if phase is Phase.HUMAN:
-            remaining = max(self.config.human_min_s, remaining)
-        return remaining + delays.queue_s
+            remaining_s = max(self.config.human_min_s, remaining_s)
+        return remaining_s + delays.queue_s
 
     def return_probability(self, view: SessionView) -> float:
         if view.phase is Phase.FINISHED:
@@ -506,8 +511,27 @@ class CachePolicy:
         room; they are iterated from the first for each call, and only as far as the rule reads
         (``CacheManager`` passes a search that scores no more than that:
         ``services.cache.residents``); a resident displaced is marked and not displaced again."""
+        return self.evictions(view, score, now, delays, self.swap_room(view, now, host_free, delays, residents))
+
+    def swap_room(
+        self,
+        view: SessionView,
+        now: float,
+        host_free: int,
+        delays: Delays,
+        residents: RankedResidents | Callable[[], RankedResidents],
+    ) -> list[CacheDecision] | None:
+        """Rule 2's question, asked first: None when the view is released (swapping it out does not
+        beat losing its context), else the DISCARDs of the host residents its SWAP displaces (maybe
+        none; those residents are marked). ``evictions`` makes the decisions from the answer; a
+        caller that would keep a released view (``CacheManager`` on ranked pins) asks only this."""
+        return self._host_room(view, now, host_free, delays, residents, self.release_loss_ms(view))
+
+    def evictions(
+        self, view: SessionView, score: float, now: float, delays: Delays, room: list[CacheDecision] | None
+    ) -> list[CacheDecision]:
+        """Rule 2's decisions for the view from ``swap_room``'s answer ``room``."""
         distance = self.next_reference_s(view, now, delays)
-        room = self._host_room(view, now, host_free, delays, residents, self.release_loss_ms(view))
         if room is None:
             release = CacheDecision(
                 view.session_id, CacheAction.RELEASE, score, distance, view.gpu_blocks, None,

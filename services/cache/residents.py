@@ -66,6 +66,7 @@ __all__ = ["HostResidentIndex", "ResidentsInOrder"]
 
 _FANOUT = 4  # parts a node is split into
 _LEAF = 8  # a node of at most this many members is scored member by member
+_REUSE_S = 0.002  # how long (manager seconds) a running node's bound of its tool's residual life is kept
 
 
 class _Kind(Enum):
@@ -85,11 +86,28 @@ class _Group:
     keys: list[tuple[float, SessionId]] = field(default_factory=list)  # sorted
     values: list[float] = field(default_factory=list)  # the host value of each key's member, aligned
     least: float | None = None  # min(values) while known: every search bounds the whole group first
+    # Running groups: (lo, hi) -> (tool samples, from, until, bound of the residual life of
+    # members lo .. hi - 1 at any time from .. until), kept while the members are the same.
+    residuals: dict[tuple[int, int], tuple[int, float, float, float]] = field(default_factory=dict)
+    leasts: dict[tuple[int, int], float] = field(default_factory=dict)  # (lo, hi) -> min(values[lo:hi])
 
     def least_value(self) -> float:
         if self.least is None:
             self.least = min(self.values)
         return self.least
+
+    def least_of(self, lo: int, hi: int) -> float:
+        """min(values[lo:hi]), kept while the members are the same (every search splits the
+        same nodes)."""
+        least = self.leasts.get((lo, hi))
+        if least is None:
+            least = self.leasts[(lo, hi)] = min(self.values[lo:hi])
+        return least
+
+    def changed(self) -> None:
+        """A member came or went: what was kept of runs of members no longer holds."""
+        self.residuals.clear()
+        self.leasts.clear()
 
 
 @dataclass(slots=True)
@@ -146,6 +164,7 @@ class HostResidentIndex:
         i = bisect.bisect_left(group.keys, key)
         group.keys.insert(i, key)
         group.values.insert(i, value)
+        group.changed()
         if group.least is not None and value < group.least:
             group.least = value
         self._entries[sid] = _Entry(view, resident, group_key, key)
@@ -166,6 +185,7 @@ class HostResidentIndex:
         keys = group.keys
         i = bisect.bisect_left(keys, entry.key)
         del keys[i]
+        group.changed()
         if group.values.pop(i) == group.least:
             group.least = None
         if not keys:
@@ -253,12 +273,32 @@ class ResidentsInOrder:
         if group.kind is _Kind.FLAT:
             bound = policy.host_score_lower_bound(keys[lo][0], delays.queue_s)
         else:
-            # Keys ascend, so the wait is shortest at the last member and longest at the first.
-            distance = policy.next_reference_bound_s(
-                group.phase, group.tool, group.kind is _Kind.RUNNING, self._now - keys[hi - 1][0],
-                self._now - keys[lo][0], delays,
-            )  # fmt: skip
-            least = group.least_value() if hi - lo == len(keys) else min(group.values[lo:hi])
+            if group.kind is _Kind.RUNNING:
+                distance = policy.distance_from_remaining_s(group.phase, self._residual_bound(group, lo, hi), delays)
+            else:
+                # Keys ascend, so the wait is shortest at the last member and longest at the first.
+                distance = policy.next_reference_bound_s(
+                    group.phase, group.tool, False, self._now - keys[hi - 1][0], self._now - keys[lo][0], delays
+                )
+            least = group.least_value() if hi - lo == len(keys) else group.least_of(lo, hi)
             bound = policy.host_score_lower_bound(least, distance)
         self._tiebreak += 1
         heapq.heappush(self._frontier, (bound, self._tiebreak, group, lo, hi))
+
+    def _residual_bound(self, group: _Group, lo: int, hi: int) -> float:
+        """An upper bound of the residual life of running members ``lo .. hi - 1``' tool: the last
+        search's when it holds at this search's time (the same members and tool samples; it bounds
+        the waits of a window of ``_REUSE_S`` from when it was made), else one for a new window.
+        A search per pressure eviction bounds the same nodes again and again; most of its cost was
+        the latency model's bound (``ToolLatencyModel.mean_residual_life_bound``)."""
+        latency, now = self._policy.latency, self._now
+        samples = latency.num_samples(group.tool)
+        kept = group.residuals.get((lo, hi))
+        if kept is not None and kept[0] == samples and kept[1] <= now <= kept[2]:
+            return kept[3]
+        until = now + _REUSE_S
+        # Keys ascend: over the window, the wait is shortest at the last member now, longest at
+        # the first at its end.
+        bound = latency.mean_residual_life_bound(group.tool, now - group.keys[hi - 1][0], until - group.keys[lo][0])
+        group.residuals[(lo, hi)] = (samples, now, until, bound)
+        return bound

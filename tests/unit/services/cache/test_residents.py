@@ -95,6 +95,94 @@ def test_ascending_is_the_full_listing(
     index.thaw()
 
 
+step = st.tuples(
+    st.floats(0.0, 3.0),  # time to the next search
+    st.one_of(st.none(), st.tuples(st.sampled_from(TOOLS[:3]), st.floats(0.0, 60.0))),  # a tool observed
+    st.one_of(st.none(), st.tuples(st.integers(0, 29), resident)),  # a resident replaced
+    st.floats(-1e5, 1e5),  # a cutoff read first
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    samples=st.fixed_dictionaries({t: durations for t in TOOLS[:3]}),
+    residents=st.lists(resident, min_size=1, max_size=30),
+    steps=st.lists(step, min_size=1, max_size=12),
+)
+def test_searches_over_time_match_the_listing(
+    samples: dict[str, list[float]],
+    residents: list[tuple[Phase, str | None, float, float | None, int]],
+    steps: list[
+        tuple[
+            float,
+            tuple[str, float] | None,
+            tuple[int, tuple[Phase, str | None, float, float | None, int]] | None,
+            float,
+        ]
+    ],
+) -> None:
+    """One index searched again and again as time passes, tools are observed and residents
+    change: what a search keeps for the next (its bounds of running tools' residual lives) never
+    makes the order differ from the listing."""
+    latency = ToolLatencyModel(prior_means_s={"slow": 20.0})
+    for tool, values in samples.items():
+        for d in values:
+            latency.observe(tool, d)
+    policy = CachePolicy(latency=latency)
+    index = HostResidentIndex(policy)
+    views: dict[int, SessionView] = {}
+
+    def put(i: int, phase: Phase, tool: str | None, since: float, started: float | None, blocks: int) -> None:
+        if phase is not Phase.IDLE and tool is None:
+            tool = "fast"
+        view = SessionView(SessionId(f"s{i:03d}"), phase, since, tool, started, 10 * blocks, 7, 0)
+        index.put(view, blocks)
+        views[i] = SessionView(view.session_id, phase, since, tool, started, 10 * blocks, 0, blocks)
+
+    for i, r in enumerate(residents):
+        put(i, *r)
+    now = 100.0
+    for dt, observed, replaced, cutoff in steps:
+        now += dt
+        if observed is not None:
+            latency.observe(*observed)
+        if replaced is not None:
+            put(replaced[0], *replaced[1])
+        expected = as_tuples(policy.host_residents(list(views.values()), now, Delays()))
+        found = index.ascending(now, Delays())
+        assert as_tuples(found.below(cutoff)) == [e for e in expected if e[0] < cutoff]
+        assert as_tuples(found) == expected
+        index.thaw()
+
+
+def test_a_tool_observed_between_searches_is_in_the_next_one() -> None:
+    """A long call of a tool raises its residual life: a running resident's score falls below a
+    pending one's, at the same time, and the next search sees it (not the last search's bound)."""
+    latency = ToolLatencyModel(prior_weight=0.01)
+    for _ in range(20):
+        latency.observe("t", 0.5)
+    policy = CachePolicy(latency=latency)
+    index = HostResidentIndex(policy)
+    running = SessionView(SessionId("running"), Phase.TOOL, 9.0, "t", 9.0, 1600, 0, 100)
+    pending = SessionView(SessionId("pending"), Phase.TOOL, 9.0, "other", None, 1600, 0, 100)
+    for view in (running, pending):
+        index.put(view, 100)
+
+    def order() -> list[str]:
+        expected = as_tuples(policy.host_residents([running, pending], 10.0, Delays()))
+        found = index.ascending(10.0, Delays())
+        cutoff = 10.0  # between the two scores after the long calls: a stale bound would prune there
+        assert as_tuples(found.below(cutoff)) == [e for e in expected if e[0] < cutoff]
+        assert as_tuples(found) == expected
+        index.thaw()
+        return [sid for _, sid, _ in expected]
+
+    before = order()
+    for _ in range(20):
+        latency.observe("t", 500.0)
+    assert order() == list(reversed(before))
+
+
 def test_changes_while_frozen_wait_for_thaw() -> None:
     policy = CachePolicy()
     index = HostResidentIndex(policy)
