@@ -125,6 +125,7 @@ SIM_POLICY = {
 }
 RUN = uuid.uuid4().hex[:8]
 MAX_CONTEXT = 960
+BLOCK_SIZE = 32  # tokens a KV block holds: the server's, the manager's and every cost model's here
 VOCAB = 4096
 
 
@@ -332,9 +333,9 @@ async def run_mode(mode: str, trace: Trace, endpoints: dict[str, str], blocks: i
         if mode in MANAGED:
             driver.manager = CacheManager(
                 ManagerConfig(
-                    gpu_total_blocks=blocks - 1, block_size=32, engine_id=ENGINE_ID, ranked_pins=mode in RANKED
+                    gpu_total_blocks=blocks - 1, block_size=BLOCK_SIZE, engine_id=ENGINE_ID, ranked_pins=mode in RANKED
                 ),
-                CachePolicy(cost=CostModel(block_size=32)),  # the engine's blocks, as the worker builds it
+                CachePolicy(cost=CostModel(block_size=BLOCK_SIZE)),  # the engine's blocks, as the worker builds it
             )
             driver.actuator = VllmActuator(ENGINE_ID, endpoints["control"])
             source = VllmKVSource(ENGINE_ID, endpoints["kv_events"], endpoints["kv_replay"])
@@ -416,7 +417,7 @@ def calibrated(speeds: Speeds, time_scale: float) -> CostModel:
     per_sequence = min(d, max(0.0, per_sequence))
     kv_bytes = CostModel().kv_bytes_per_token
     return CostModel(
-        block_size=32,
+        block_size=BLOCK_SIZE,
         call_overhead_ms=0.0,
         prefill_ms_per_token=a / time_scale,
         prefill_attention_ms_per_token_pair=b / time_scale,
@@ -551,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, help="default: the regime's")
     parser.add_argument("--rate", type=float, help="session arrivals per trace second")
     parser.add_argument("--time-scale", help="wall seconds per trace second of tools, or auto (see the docstring)")
-    parser.add_argument("--blocks", type=int, help="vLLM's KV pool, blocks of 32 tokens")
+    parser.add_argument("--blocks", type=int, help=f"vLLM's KV pool, blocks of {BLOCK_SIZE} tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", help="default: the regime's model under the repository")
     parser.add_argument("--url", help="a running server (with --kv-events, --kv-replay, --control); default: start one")
@@ -578,8 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     contexts = sorted(s.final_context_tokens for s in trace)
     out.print(
         f"{len(trace)} {name} sessions, {sum(len(s.turns) for s in trace)} LLM calls, final contexts "
-        f"{contexts[0]}-{contexts[-1]} tokens (cut at {regime.max_context}); KV pool {blocks} blocks x 32 tokens "
-        f"({blocks * 32} tokens); model {Path(model).name}"
+        f"{contexts[0]}-{contexts[-1]} tokens (cut at {regime.max_context}); "
+        f"KV pool {blocks} blocks x {BLOCK_SIZE} tokens ({blocks * BLOCK_SIZE} tokens); model {Path(model).name}"
     )
     server = None
     if args.url:
@@ -587,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run_dir = Path(tempfile.mkdtemp(prefix="agentlog-bench-vllm-"))
         config = VllmServerConfig(
-            model=model, run_dir=run_dir, num_gpu_blocks=blocks, max_model_len=model_window(model, regime),
+            model=model, run_dir=run_dir, num_gpu_blocks=blocks, block_size=BLOCK_SIZE,
+            max_model_len=model_window(model, regime),
             # Requests without a priority (stock vLLM, the manager alone) all get 0: first come first served.
             scheduling_policy="priority" if SCHEDULED & set(args.modes) else "fcfs",
             # vLLM's CPU build keeps one core for its engine-core process and computes on the rest: on
@@ -613,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if time_scale_arg == "auto":
             measured = speeds.prefill_long_ms / speeds.long
-            reference = CostModel(block_size=32).prefill_ms(speeds.long) / speeds.long
+            reference = CostModel(block_size=BLOCK_SIZE).prefill_ms(speeds.long) / speeds.long
             time_scale = measured / reference
             out.print(
                 f"prefill here {measured:.3f} ms/token vs the cost model's A100 {reference:.3f}: "
@@ -641,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         {
             "real vLLM": real,
-            "sim (A100 model)": simulate(trace, blocks, CostModel(block_size=32), modes),
+            "sim (A100 model)": simulate(trace, blocks, CostModel(block_size=BLOCK_SIZE), modes),
             "sim (calibrated)": sim,
         },
         out,
