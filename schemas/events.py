@@ -376,7 +376,13 @@ class CacheDecisionMade(Model):
 
     engine_id: str = Field(description="The engine that holds the session's cache.")
     action: CacheAction = Field(description="Preserve, swap, discard, prefetch or release.")
-    ttl_ms: int | None = Field(default=None, description="For preserve: milliseconds until re-scoring, else null.")
+    ttl_ms: int | None = Field(
+        default=None,
+        description=(
+            "Milliseconds until the manager decides again: for preserve and prefetch, the pin's TTL; for swap, "
+            "when it looks again to prefetch; for release, only a loose hold (engines with ranked pins); else null."
+        ),
+    )
     score: float = Field(description="Survival score: expected benefit per byte-second of memory.")
     next_reference_ms: float | None = Field(
         default=None, description="Expected milliseconds until the session's next LLM call; null when infinite."
