@@ -124,6 +124,17 @@ then the synthetic generator:
   600 s) and mixed session lengths, 50-token median outputs (tool-calling turns are
   short, so that more sessions are alive at once); other settings are its defaults.
 
+Held out, run only when named in ``--workloads`` (``HELD_OUT``): three synthetic shapes made
+after the policy was tuned, and never tuned on, to check that its ranking holds on agent
+workloads it has not seen (200 sessions each, 40 with ``--quick``, the same generator with
+other tools and session lengths):
+
+- ``heldout-swe``: SWE-agent-like work, short tool gaps and long contexts (reads 0.3 s, edits
+  0.2 s, test runs 4 s, log-normal; 25 turns on average, 1,500-token tasks, large results);
+- ``heldout-human``: few turns waiting mostly on a person (median 20 s, Pareto tail) or a
+  quick lookup;
+- ``heldout-bimodal``: quick tools (0.1 s) and one slow batch tool (60 s), nothing between.
+
 Every workload is cut at a context window of ``MAX_CONTEXT_TOKENS`` (32k): a session
 ends before a call that would exceed it (without the cut, one very long Pareto
 session is larger than a quarter of the whole working set and every capacity
@@ -165,7 +176,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from bench.baselines import make_baseline
 from bench.ours import Ours, OursPlas, VllmPlas, VllmPlasHold
@@ -178,7 +189,7 @@ from services.traces.infercept import from_infercept
 from services.traces.model import Trace, TraceSession, TraceTurn, head
 from services.traces.mooncake import from_mooncake
 from services.traces.stats import percentile
-from services.traces.synthetic import synthetic
+from services.traces.synthetic import ToolProfile, synthetic
 
 TRACES_DIR = Path(__file__).resolve().parents[1] / "traces"  # the repository's traces/ (--traces-dir)
 MAX_CONTEXT_TOKENS = 32_768  # the model's context window: longer sessions end early
@@ -266,6 +277,33 @@ def replicate(trace: Trace, copies: int, rate_per_s: float, rng: random.Random) 
     return Trace(sessions, notes=(*trace.notes, f"{copies} copies of each session"))
 
 
+HELD_OUT: dict[str, dict[str, Any]] = {
+    "heldout-swe": {
+        "tools": (
+            ToolProfile("read", weight=0.45, median_s=0.3, sigma=0.8, alpha=1.8, median_result_tokens=900),
+            ToolProfile("edit", weight=0.30, median_s=0.2, sigma=0.6, alpha=2.0, median_result_tokens=200),
+            ToolProfile("test", weight=0.25, median_s=4.0, sigma=1.0, alpha=1.5, median_result_tokens=1200),
+        ),
+        "mean_turns": 25.0, "median_task_tokens": 1500, "median_output_tokens": 150, "tool_duration": "lognormal",
+    },
+    "heldout-human": {
+        "tools": (
+            ToolProfile("ask", weight=0.7, median_s=20.0, sigma=1.5, alpha=1.2, median_result_tokens=80),
+            ToolProfile("lookup", weight=0.3, median_s=1.0, sigma=0.8, alpha=1.8, median_result_tokens=400),
+        ),
+        "mean_turns": 4.0, "median_output_tokens": 120, "tool_duration": "pareto",
+    },
+    "heldout-bimodal": {
+        "tools": (
+            ToolProfile("quick", weight=0.8, median_s=0.1, sigma=0.5, alpha=2.0, median_result_tokens=300),
+            ToolProfile("batch", weight=0.2, median_s=60.0, sigma=0.5, alpha=1.5, median_result_tokens=600),
+        ),
+        "mean_turns": 10.0, "median_output_tokens": 80, "tool_duration": "lognormal",
+    },
+}  # fmt: skip
+"""The held-out shapes (module docstring): ``synthetic``'s settings for each, run only when named."""
+
+
 @dataclass(frozen=True, slots=True)
 class Workload:
     name: str
@@ -324,7 +362,22 @@ def workloads(quick: bool, seed: int, traces_dir: Path = TRACES_DIR) -> list[Wor
                 ),
             )
         )
-    return out
+    return out + held_out(n_synthetic, seed)  # run only when named (``sweep``)
+
+
+def held_out(num_sessions: int, seed: int) -> list[Workload]:
+    """The held-out shapes (``HELD_OUT``), each ``num_sessions`` sessions of ``synthetic``."""
+    return [
+        Workload(
+            name,
+            lambda rate, settings=settings: cap_context(  # type: ignore[misc]
+                synthetic(num_sessions, rng=random.Random(seed), arrival_rate_per_s=rate, max_tool_duration_s=600.0,
+                          **settings),
+                MAX_CONTEXT_TOKENS,
+            ),
+        )
+        for name, settings in HELD_OUT.items()
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,6 +455,14 @@ def engine_s_per_session(trace: Trace, cost: CostModel, engine: str) -> float:
     return service_s(trace, cost, batch=MAX_NUM_SEQS if engine == "batch" else 1)
 
 
+def selected(names: list[str], only: str | None) -> list[str]:
+    """The workloads a sweep runs: those ``only`` names (comma-separated), else all but the held out."""
+    if only is None:
+        return [n for n in names if n not in HELD_OUT]
+    wanted = only.split(",")
+    return [n for n in names if n in wanted]
+
+
 def sweep(
     quick: bool,
     seeds: tuple[int, ...],
@@ -415,7 +476,7 @@ def sweep(
 ) -> list[Row]:
     """One row per (workload, load, capacity, policy): the sessions of every seed's trace pooled
     (``pooled``). Each (workload, seed, load) is one ``_unit``, run by ``jobs`` processes."""
-    names = [w.name for w in workloads(quick, seeds[0], traces_dir) if only is None or w.name in only.split(",")]
+    names = selected([w.name for w in workloads(quick, seeds[0], traces_dir)], only)
     units = [(quick, seed, name, load, policies, engine, traces_dir, capacities) for name in names for load in loads
              for seed in seeds]  # fmt: skip
     if jobs > 1:
@@ -858,6 +919,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         parser.error(f"unknown policies {unknown}")
+    if args.workloads and not args.from_csv:
+        known = [w.name for w in workloads(args.quick, 0, args.traces_dir)]
+        unknown = sorted(set(args.workloads.split(",")) - set(known))
+        if unknown:
+            parser.error(f"unknown workloads {unknown}; known: {', '.join(known)}")
     started = time.perf_counter()
     if args.from_csv:
         rows = [r for r in read_csv(args.from_csv) if r.policy in policies]

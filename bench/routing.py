@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from bench.cache_policies import TRACES_DIR, Workload, engine_s_per_session, workloads
+from bench.cache_policies import TRACES_DIR, Workload, engine_s_per_session, selected, workloads
 from bench.ours import Ours
 from services.engine.batching import BatchSim
 from services.engine.cost import CostModel
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = set(args.workloads.split(",")) - {w.name for w in chosen}
         if unknown:
             parser.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(w.name for w in chosen)}")
-        chosen = [w for w in chosen if w.name in args.workloads.split(",")]
+    chosen = [w for w in chosen if w.name in selected([w.name for w in chosen], args.workloads)]
     for w in chosen:
         for n in args.engines:
             trace, blocks = cell(w, n, args.load, args.capacity, cost)

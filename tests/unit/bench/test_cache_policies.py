@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 
 from bench.cache_policies import (
+    HELD_OUT,
+    MAX_CONTEXT_TOKENS,
     POLICIES,
     Row,
     cap_context,
     engine_s_per_session,
     floor_jct,
+    held_out,
     main,
     make_manager,
     pooled,
@@ -26,7 +29,9 @@ from bench.cache_policies import (
     respace,
     row,
     run_one,
+    selected,
     service_s,
+    workloads,
     write_csv,
     write_markdown,
     write_png,
@@ -268,7 +273,9 @@ def test_traces_are_read_from_the_repositorys_traces_dir_or_the_one_given(tmp_pa
 
     assert Path(driver.__file__).resolve().parent.parent / "traces" == driver.TRACES_DIR
     # A directory without the recorded traces leaves the synthetic workloads only.
-    assert [w.name for w in driver.workloads(True, 0, tmp_path)] == ["synthetic-lognormal", "synthetic-pareto"]
+    assert [w.name for w in driver.workloads(True, 0, tmp_path)] == [
+        "synthetic-lognormal", "synthetic-pareto", *driver.HELD_OUT
+    ]  # fmt: skip
 
 
 def _plas_rows(workload: str, speedup: float, p95_slack: float = 1.0) -> list[Row]:
@@ -344,3 +351,30 @@ def test_seeds_must_be_distinct_integers_and_jobs_positive(args: list[str], erro
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--workloads", "none"])
     assert exit_.value.code == 2 and error in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ held-out shapes
+
+
+def test_a_sweep_runs_the_held_out_shapes_only_when_named() -> None:
+    names = [w.name for w in workloads(True, 0, Path("/nonexistent"))]
+    assert selected(names, None) == ["synthetic-lognormal", "synthetic-pareto"]  # no traces here
+    assert selected(names, "heldout-swe,synthetic-pareto") == ["synthetic-pareto", "heldout-swe"]
+
+
+def test_the_held_out_shapes_are_what_they_say() -> None:
+    traces = {w.name: w.build(1.0) for w in held_out(40, 0)}
+    assert list(traces) == list(HELD_OUT)
+    tools = {name: {t.tool for s in trace for t in s.turns if t.tool} for name, trace in traces.items()}
+    assert tools == {"heldout-swe": {"read", "edit", "test"}, "heldout-human": {"ask", "lookup"},
+                     "heldout-bimodal": {"quick", "batch"}}  # fmt: skip
+    turns = {name: sum(len(s.turns) for s in trace) / len(trace) for name, trace in traces.items()}
+    assert turns["heldout-swe"] > turns["heldout-bimodal"] > turns["heldout-human"]
+    assert all(s.final_context_tokens <= MAX_CONTEXT_TOKENS for trace in traces.values() for s in trace)
+
+
+def test_an_unknown_workload_is_one_line_and_a_non_zero_exit(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--workloads", "heldout-sw", "--traces-dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "unknown workloads ['heldout-sw']" in capsys.readouterr().err.splitlines()[-1]
