@@ -505,7 +505,7 @@ class CachePolicy:
     ) -> list[CacheDecision]:
         """Rule 2, the one eviction rule under memory pressure (``decide`` under a deficit and
         ``CacheManager``'s pressure evictions): the view's SWAP when host room is worth its cost
-        (``_host_room``), preceded by the DISCARDs of the host residents it displaces, else its
+        (``swap_room``), preceded by the DISCARDs of the host residents it displaces, else its
         RELEASE. ``residents``: the host residents in ascending (host score, session id) order
         (``host_residents``), or a function that gives them, called only when the host lacks
         room; they are iterated from the first for each call, and only as far as the rule reads
@@ -525,51 +525,8 @@ class CachePolicy:
         beat losing its context), else the DISCARDs of the host residents its SWAP displaces (maybe
         none; those residents are marked). ``evictions`` makes the decisions from the answer; a
         caller that would keep a released view (``CacheManager`` on ranked pins) asks only this."""
-        return self._host_room(view, now, host_free, delays, residents, self.release_loss_ms(view))
-
-    def evictions(
-        self, view: SessionView, score: float, now: float, delays: Delays, room: list[CacheDecision] | None
-    ) -> list[CacheDecision]:
-        """Rule 2's decisions for the view from ``swap_room``'s answer ``room``."""
-        distance = self.next_reference_s(view, now, delays)
-        if room is None:
-            release = CacheDecision(
-                view.session_id, CacheAction.RELEASE, score, distance, view.gpu_blocks, None,
-                "memory pressure: no host room or recompute is cheaper",
-            )  # fmt: skip
-            return [release]
-        swap = CacheDecision(
-            view.session_id, CacheAction.SWAP, score, distance, view.gpu_blocks,
-            self.relook_s(view.gpu_blocks, distance), "memory pressure: swap-in is cheaper than recompute",
-        )  # fmt: skip
-        return [*room, swap]
-
-    def host_residents(self, views: Iterable[SessionView], now: float, delays: Delays) -> ListedResidents:
-        """The host residents among ``views`` in ascending (host score, session id) order."""
-        return ListedResidents(sorted(
-            (HostResident(self.host_score(v, v.host_blocks, now, delays), v.session_id, v) for v in views
-             if _is_host_resident(v)),
-            key=lambda r: (r.host_score, r.session_id),
-        ))  # fmt: skip
-
-    def release_loss_ms(self, view: SessionView) -> float:
-        """Expected cost of releasing the view's GPU blocks to the LRU under pressure: its whole
-        context recomputed on return (see the module docstring)."""
-        return self.return_probability(view) * self.cost.recompute_ms(view.gpu_blocks * self.cost.block_size)
-
-    def _host_room(
-        self,
-        view: SessionView,
-        now: float,
-        host_free: int,
-        delays: Delays,
-        residents: RankedResidents | Callable[[], RankedResidents],
-        loss_ms: float,
-    ) -> list[CacheDecision] | None:
-        """None when swapping the view out does not beat losing ``loss_ms``; else the host residents
-        to discard first (maybe none)."""
         blocks = view.gpu_blocks
-        budget = loss_ms - self.swap_round_trip_ms(blocks)
+        budget = self.release_loss_ms(view) - self.swap_round_trip_ms(blocks)
         if not self.swap_pays(blocks) or budget <= 0:
             return None
         if blocks <= host_free:
@@ -604,6 +561,36 @@ class CachePolicy:
                 )
             )
         return out
+
+    def evictions(
+        self, view: SessionView, score: float, now: float, delays: Delays, room: list[CacheDecision] | None
+    ) -> list[CacheDecision]:
+        """Rule 2's decisions for the view from ``swap_room``'s answer ``room``."""
+        distance = self.next_reference_s(view, now, delays)
+        if room is None:
+            release = CacheDecision(
+                view.session_id, CacheAction.RELEASE, score, distance, view.gpu_blocks, None,
+                "memory pressure: no host room or recompute is cheaper",
+            )  # fmt: skip
+            return [release]
+        swap = CacheDecision(
+            view.session_id, CacheAction.SWAP, score, distance, view.gpu_blocks,
+            self.relook_s(view.gpu_blocks, distance), "memory pressure: swap-in is cheaper than recompute",
+        )  # fmt: skip
+        return [*room, swap]
+
+    def host_residents(self, views: Iterable[SessionView], now: float, delays: Delays) -> ListedResidents:
+        """The host residents among ``views`` in ascending (host score, session id) order."""
+        return ListedResidents(sorted(
+            (HostResident(self.host_score(v, v.host_blocks, now, delays), v.session_id, v) for v in views
+             if _is_host_resident(v)),
+            key=lambda r: (r.host_score, r.session_id),
+        ))  # fmt: skip
+
+    def release_loss_ms(self, view: SessionView) -> float:
+        """Expected cost of releasing the view's GPU blocks to the LRU under pressure: its whole
+        context recomputed on return (see the module docstring)."""
+        return self.return_probability(view) * self.cost.recompute_ms(view.gpu_blocks * self.cost.block_size)
 
 
 def _is_gpu_candidate(view: SessionView) -> bool:
