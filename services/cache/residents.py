@@ -102,7 +102,9 @@ class _Group:
 
     def least_of(self, lo: int, hi: int) -> float:
         """min(values[lo:hi]), kept while the members are the same (every search splits the
-        same nodes)."""
+        same nodes); the whole group's is ``least``, kept across changes where it can be."""
+        if lo == 0 and hi == len(self.keys):
+            return self.least_value()
         least = self.leasts.get((lo, hi))
         if least is None:
             least = self.leasts[(lo, hi)] = min(self.values[lo:hi])
@@ -284,8 +286,7 @@ class ResidentsInOrder:
                 distance = policy.next_reference_bound_s(
                     group.phase, group.tool, False, self._now - keys[hi - 1][0], self._now - keys[lo][0], delays
                 )
-            least = group.least_value() if hi - lo == len(keys) else group.least_of(lo, hi)
-            bound = policy.host_score_lower_bound(least, distance)
+            bound = policy.host_score_lower_bound(group.least_of(lo, hi), distance)
         self._tiebreak += 1
         heapq.heappush(self._frontier, (bound, self._tiebreak, group, lo, hi))
 
